@@ -1,0 +1,33 @@
+# Two commands: `make generate` runs the main job, `make test` runs the tests.
+# Each creates .venv and installs what it needs on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch; GPU users: `make test TORCH_SPEC='torch>=2.13'` (any newer CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= The rack hums
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.rackserve-installed
+
+.PHONY: install test test-fast generate clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Everything except the tests marked slow, for quick local iterations.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+generate: $(STAMP)
+	$(BIN)/rackserve generate "$(PROMPT)"
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,175 @@
+"""DeepSeek-V4 attention over a ragged batch: shared-K=V MQA with sinks, partial RoPE, grouped
+low-rank output projection, and the three KV schemes (sliding, CSA, HCA).
+
+Each query attends to its request's last `sliding_window` positions plus compressed entries:
+HCA — every complete entry; CSA — the lightning indexer's top-k complete entries. Compressed
+entries pool `rate` tokens (CSA: two overlapping series over `2·rate` tokens) with a softmax gate.
+Shapes: T tokens, H heads, hd head dim, W window, E entries visible to the longest request.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rackserve.config import CSA, ModelConfig
+from rackserve.model.batch import CompressPlan, ForwardBatch
+from rackserve.model.layers import RMSNorm, unweighted_rms_norm
+from rackserve.model.rope import Rotary, apply_rope
+
+
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False)
+
+
+class Compressor(nn.Module):
+    """Pools windows of `rate` tokens into compressed entries of `dim` channels.
+
+    With `overlap` (CSA) each token projects to two series (Ca | Cb); entry w pools window w-1's
+    Ca and window w's Cb over `2·rate` slots, stride `rate`. Without it (HCA) entry w pools window
+    w. Entries get RoPE at the position of their window's first token.
+    """
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float):
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.dim, self.rate, self.overlap = dim, rate, overlap
+        self.kv_proj = _linear(hidden, width)
+        self.gate_proj = _linear(hidden, width)
+        self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.kv_norm = RMSNorm(dim, eps)
+
+    def update(self, x: torch.Tensor, plan: CompressPlan, ring: torch.Tensor, entries: torch.Tensor,
+               rotary: Rotary) -> None:
+        """Emit the entries completed by this step into `entries` and roll `ring` forward.
+
+        x `[T, hidden]`; ring `[S, L, 2·width]` holds earlier tokens' `[kv | gate]`;
+        entries `[P, per_page, dim]`.
+        """
+        rows = torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)  # [T, 2·width]
+        if plan.entry_dst.numel():
+            src = plan.new_entries.gather(ring, rows)  # [E_new, K, 2·width]
+            kv, gate = src.chunk(2, dim=-1)
+            if self.overlap:
+                d, m = self.dim, self.rate
+                kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
+                gate = torch.cat([gate[:, :m, :d] + self.position_bias[:, :d],
+                                  gate[:, m:, d:] + self.position_bias[:, d:]], dim=1)
+            else:
+                gate = gate + self.position_bias
+            # window -1 of entry 0 does not exist: zero weight
+            gate = gate.masked_fill(~plan.new_entries.valid.unsqueeze(-1), float("-inf"))
+            weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+            pooled = self.kv_norm((kv * weights).sum(dim=1))
+            cos, sin = rotary.cos_sin(plan.entry_pos, pooled.dtype)
+            entries.flatten(0, 1).index_copy_(0, plan.entry_dst, apply_rope(pooled, cos, sin).to(entries.dtype))
+        plan.ring_write.apply(ring, rows)
+
+
+class IndexerScorer(nn.Module):
+    """Per-head weights of the lightning indexer's score `Σ_h w_h · ReLU(q_h · k)`."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.weights_proj = _linear(hidden, heads)
+
+
+class Indexer(Compressor):
+    """CSA's lightning indexer: its own overlapping compressor for keys, plus multi-head queries."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config.hidden_size, config.index_head_dim, config.csa_compress_rate, True,
+                         config.rms_norm_eps)
+        self.heads, self.topk = config.index_n_heads, config.index_topk
+        self.q_b_proj = _linear(config.q_lora_rank, self.heads * self.dim)
+        self.scorer = IndexerScorer(config.hidden_size, self.heads)
+
+    def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
+               keys: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k complete entries of each token: (entry slot `[T, k]` into `plan.visible_row`,
+        valid `[T, k]`). Ties keep the lowest entry index (a stable sort), so selection is
+        deterministic whatever the batch. keys `[P, per_page, ihd]`.
+        """
+        t = x.shape[0]
+        q = self.q_b_proj(q_residual).view(t, self.heads, self.dim)
+        cos, sin = rotary.cos_sin(positions, q.dtype)
+        q = apply_rope(q, cos, sin)
+        k = keys.flatten(0, 1)[plan.visible_row]  # [T, E, ihd]
+        scores = F.relu(torch.einsum("thd,ted->the", q.float(), k.float())) * self.dim**-0.5
+        head_w = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [T, H]
+        score = torch.einsum("the,th->te", scores, head_w)
+        score = score.masked_fill(~plan.visible, float("-inf"))
+        order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, : self.topk]
+        return order, plan.visible.gather(1, order)
+
+
+class CSACompressor(Compressor):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config.hidden_size, config.head_dim, config.csa_compress_rate, True, config.rms_norm_eps)
+        self.indexer = Indexer(config)
+
+
+class HCACompressor(Compressor):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config.hidden_size, config.head_dim, config.hca_compress_rate, False, config.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        c = config
+        self.layer, self.kind = layer, c.layer_types[layer]
+        self.heads, self.head_dim, self.groups = c.num_attention_heads, c.head_dim, c.o_groups
+        self.eps = c.rms_norm_eps
+        self.q_a_proj = _linear(c.hidden_size, c.q_lora_rank)
+        self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = _linear(c.q_lora_rank, self.heads * self.head_dim)
+        self.kv_proj = _linear(c.hidden_size, self.head_dim)
+        self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        # grouped output projection: weight [groups · o_lora_rank, heads · head_dim / groups]
+        self.o_a_proj = _linear(self.heads * self.head_dim // self.groups, self.groups * c.o_lora_rank)
+        self.o_b_proj = _linear(self.groups * c.o_lora_rank, c.hidden_size)
+        self.sinks = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
+        self.compressor: Compressor | None = None
+        if c.compress_rate(layer):
+            self.compressor = CSACompressor(c) if self.kind == CSA else HCACompressor(c)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state, rotary: Rotary) -> torch.Tensor:
+        """x `[T, hidden]` -> `[T, hidden]`; reads and updates this layer's part of `state`."""
+        t, layer = x.shape[0], self.layer
+        cos, sin = rotary.cos_sin(batch.positions, x.dtype)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(t, self.heads, self.head_dim), self.eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, hd], K = V
+
+        keys = batch.swa.gather(state.swa[layer], kv)  # [T, W, hd]
+        valid = batch.swa.valid
+        batch.swa_write.apply(state.swa[layer], kv)
+        if self.compressor is not None:
+            plan = batch.plans[self.kind]
+            self.compressor.update(x, plan, state.ring[layer], state.entries[layer], rotary)
+            rows, seen = plan.visible_row, plan.visible
+            if self.kind == CSA:
+                indexer = self.compressor.indexer
+                indexer.update(x, plan, state.index_ring[layer], state.index_keys[layer], rotary)
+                chosen, seen = indexer.select(x, q_residual, batch.positions, plan, state.index_keys[layer], rotary)
+                rows = rows.gather(1, chosen)
+            keys = torch.cat([keys, state.entries[layer].flatten(0, 1)[rows]], dim=1)
+            valid = torch.cat([valid, seen], dim=1)
+
+        out = self._attend(q, keys, valid)
+        out = apply_rope(out, cos, sin, inverse=True)  # undo the keys' rotation carried by V
+        grouped = out.reshape(t, self.groups, -1)
+        w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
+        return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Softmax attention with a per-head sink logit. q `[T, H, hd]`, keys `[T, K, hd]` (= values),
+        valid `[T, K]` -> `[T, H, hd]`. The softmax runs in fp32 whatever the model dtype."""
+        logits = torch.einsum("thd,tkd->thk", q, keys).float() * self.head_dim**-0.5
+        logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        sinks = self.sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.einsum("thk,tkd->thd", probs.to(keys.dtype), keys)

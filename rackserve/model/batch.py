@@ -1,0 +1,183 @@
+"""A ragged batch: many requests, each with some new tokens, flattened into one forward.
+
+Everything here is index arithmetic done once per forward and shared by all layers, so the
+per-layer code only gathers and scatters. T = new tokens in the batch, R = requests.
+
+Positions of a request that are older than this step live in its slot's rings (row =
+`slot · ring_len + position % ring_len`); positions from this step are rows of the step's new
+tensors (row = `token offset of the request + position - start`). `RingGather` says, for a grid
+of positions, where each one is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rackserve.config import CSA, ModelConfig
+from rackserve.model.state import ModelState, RequestState, ring_len
+
+
+@dataclass
+class RingGather:
+    """Where each position of a `[N, K]` grid is: a ring row or a new row; invalid if < 0."""
+
+    ring_row: torch.Tensor  # [N, K] long, row of ring.view(S * L, C)
+    new_row: torch.Tensor  # [N, K] long, row of this step's new tensor [T, C]
+    from_new: torch.Tensor  # [N, K] bool
+    valid: torch.Tensor  # [N, K] bool
+
+    def gather(self, ring: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """ring `[S, L, C]`, new `[T, C]` -> `[N, K, C]`, zeros where invalid."""
+        old = ring.flatten(0, 1)[self.ring_row]
+        fresh = new[self.new_row]
+        out = torch.where(self.from_new.unsqueeze(-1), fresh, old)
+        return out.masked_fill(~self.valid.unsqueeze(-1), 0)
+
+
+@dataclass
+class RingWrite:
+    """Which new rows `src [M]` go to which ring rows `dst [M]` (the last L positions of each request)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+
+    def apply(self, ring: torch.Tensor, new: torch.Tensor) -> None:
+        ring.flatten(0, 1).index_copy_(0, self.dst, new.index_select(0, self.src).to(ring.dtype))
+
+
+@dataclass
+class CompressPlan:
+    """Per layer kind (CSA or HCA): the entries completed this step and what each token may see.
+
+    new_entries: for each of the `E_new` entries completed in this step, the `K` source positions
+      it pools (`K = 2·rate` for CSA: window w-1's Ca part then window w's Cb part; `rate` for HCA).
+    entry_dst `[E_new]`: its row in entries.view(P * rate_per_page, ·); entry_pos `[E_new]`: the
+      position of its first token (its RoPE position).
+    visible_row `[T, E]` / visible `[T, E]`: for each token, the rows of its request's entries
+      0..E-1 (E = the most any token sees) and whether that entry is complete at the token.
+    """
+
+    rate: int
+    new_entries: RingGather
+    entry_dst: torch.Tensor
+    entry_pos: torch.Tensor
+    ring_write: RingWrite
+    visible_row: torch.Tensor
+    visible: torch.Tensor
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    logits_rows: torch.Tensor  # [L] long, tokens whose logits are returned
+    swa: RingGather  # [T, W]: positions p-W+1 .. p of each token
+    swa_write: RingWrite
+    plans: dict[str, CompressPlan]  # by layer kind
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def build(cls, state: ModelState, requests: Sequence[tuple[RequestState, Sequence[int]]],
+              all_logits: bool = False) -> "ForwardBatch":
+        """Batch `requests` = [(state handle, new token ids)], each continuing at `handle.num_tokens`.
+
+        The handles must already `reserve` room for their new tokens. Logits come back for the last
+        new token of each request, or for every token when `all_logits`.
+        """
+        config: ModelConfig = state.config
+        device = state.swa[0].device
+        lens = torch.tensor([len(ids) for _, ids in requests], dtype=torch.long)
+        if (lens <= 0).any():
+            raise ValueError("every request in a batch needs at least one new token")
+        starts = torch.tensor([h.num_tokens for h, _ in requests], dtype=torch.long)
+        slots = torch.tensor([h.slot for h, _ in requests], dtype=torch.long)
+        max_pages = max(1, max(len(h.pages) for h, _ in requests))
+        page_table = torch.zeros(len(requests), max_pages, dtype=torch.long)
+        for r, (h, ids) in enumerate(requests):
+            if state.pages_for(h.num_tokens + len(ids)) > len(h.pages):
+                raise ValueError(
+                    f"request in slot {h.slot} has {len(h.pages)} pages, too few for "
+                    f"{h.num_tokens + len(ids)} tokens; call ModelState.reserve first"
+                )
+            page_table[r, : len(h.pages)] = torch.tensor(h.pages, dtype=torch.long)
+        input_ids = torch.tensor([t for _, ids in requests for t in ids], dtype=torch.long)
+
+        ends = starts + lens
+        offsets = torch.cumsum(lens, 0) - lens  # first token row of each request
+        req = torch.repeat_interleave(torch.arange(len(requests)), lens)  # [T]
+        positions = starts[req] + torch.arange(len(input_ids)) - offsets[req]
+        geo = _Geometry(req, starts, ends, offsets, slots, positions)
+
+        w = config.sliding_window
+        swa = geo.ring_gather(positions[:, None] - (w - 1) + torch.arange(w), req, w)
+        plans = {}
+        for kind in sorted(set(config.layer_types) - {"sliding_attention"}):
+            rate = config.csa_compress_rate if kind == CSA else config.hca_compress_rate
+            plans[kind] = geo.compress_plan(kind, rate, state.block_size // rate, page_table)
+
+        logits_rows = torch.arange(len(input_ids)) if all_logits else offsets + lens - 1
+        batch = cls(input_ids, positions, logits_rows, swa, geo.ring_write(w), plans)
+        return batch.to(device)
+
+    def to(self, device: torch.device | str) -> "ForwardBatch":
+        def move(x):
+            if isinstance(x, torch.Tensor):
+                return x.to(device)
+            if isinstance(x, dict):
+                return {k: move(v) for k, v in x.items()}
+            if hasattr(x, "__dataclass_fields__"):
+                return type(x)(**{k: move(getattr(x, k)) for k in x.__dataclass_fields__})
+            return x
+
+        return move(self)
+
+
+@dataclass
+class _Geometry:
+    """The batch's request geometry, with the index helpers built on it."""
+
+    req: torch.Tensor  # [T] request of each token
+    starts: torch.Tensor  # [R] tokens already in state
+    ends: torch.Tensor  # [R] tokens in state after this step
+    offsets: torch.Tensor  # [R] first token row of each request
+    slots: torch.Tensor  # [R]
+    positions: torch.Tensor  # [T]
+
+    def ring_gather(self, pos: torch.Tensor, owner: torch.Tensor, length: int) -> RingGather:
+        """Locate positions `pos [N, K]` of requests `owner [N]` in rings of `length` rows."""
+        start = self.starts[owner][:, None]
+        from_new = pos >= start
+        new_row = torch.where(from_new, self.offsets[owner][:, None] + pos - start, 0)
+        ring_row = self.slots[owner][:, None] * length + pos.clamp(min=0) % length
+        return RingGather(ring_row, new_row, from_new, pos >= 0)
+
+    def ring_write(self, length: int) -> RingWrite:
+        """Write the last `length` new positions of each request into its ring."""
+        keep = self.positions >= self.ends[self.req] - length
+        src = keep.nonzero().squeeze(1)
+        dst = self.slots[self.req[src]] * length + self.positions[src] % length
+        return RingWrite(src, dst)
+
+    def compress_plan(self, kind: str, rate: int, per_page: int, page_table: torch.Tensor) -> CompressPlan:
+        first = self.starts // rate  # first entry completed in this step
+        count = self.ends // rate - first
+        owner = torch.repeat_interleave(torch.arange(len(count)), count)
+        w = first[owner] + torch.arange(len(owner)) - (torch.cumsum(count, 0) - count)[owner]
+        width = ring_len(kind, rate)
+        # CSA entry w pools positions (w-1)·rate .. (w+1)·rate - 1; HCA entry w pools its own window.
+        lo = w * rate - (rate if kind == CSA else 0)
+        new_entries = self.ring_gather(lo[:, None] + torch.arange(width), owner, width)
+        entry_dst = page_table[owner, w // per_page] * per_page + w % per_page
+
+        seen = (self.positions + 1) // rate  # entries complete at each token
+        e = torch.arange(int(seen.max()) if len(seen) else 0)
+        pages = page_table[self.req][:, (e // per_page).clamp(max=page_table.shape[1] - 1)]
+        visible_row = pages * per_page + e % per_page
+        visible = e[None, :] < seen[:, None]
+        return CompressPlan(rate, new_entries, entry_dst, w * rate, self.ring_write(width), visible_row, visible)

@@ -1,0 +1,93 @@
+"""DeepSeek-V4 causal LM for serving: one forward over a ragged batch of many requests.
+
+Module and parameter names follow the Hugging Face checkpoint (`model.layers.N.self_attn…`), so a
+checkpoint's state dict loads as is. `forward(batch, state)` runs the new tokens of every request
+in `batch` at once, reading and updating each request's state in `state`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rackserve.config import SLIDING, ModelConfig
+from rackserve.model.attention import Attention
+from rackserve.model.batch import ForwardBatch
+from rackserve.model.layers import HyperConnection, HyperHead, RMSNorm
+from rackserve.model.moe import MoE
+from rackserve.model.rope import Rotary
+from rackserve.model.state import ModelState
+
+
+class DecoderLayer(nn.Module):
+    """Attention then MoE, each wrapped in an mHC over the `hc_mult` residual streams."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        c = config
+        self.self_attn = Attention(c, layer)
+        self.mlp = MoE(c, layer)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn_hc = HyperConnection(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.ffn_hc = HyperConnection(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, state: ModelState, rotary: Rotary) -> torch.Tensor:
+        """streams `[T, hc_mult, D]` -> `[T, hc_mult, D]`."""
+        post, comb, x = self.attn_hc.weights(streams)
+        out = self.self_attn(self.input_layernorm(x), batch, state, rotary)
+        streams = HyperConnection.merge(streams, out, post, comb)
+        post, comb, x = self.ffn_hc.weights(streams)
+        out = self.mlp(self.post_attention_layernorm(x), batch.input_ids)
+        return HyperConnection.merge(streams, out, post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The whole model. Build it with `rackserve.model.loader.load_model` to get weights."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV4Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._rotary: dict[str, Rotary] = {}
+
+    def rotary(self, kind: str) -> Rotary:
+        """The rotary of a layer kind: `main` rope for sliding layers, `compress` rope otherwise."""
+        name = "main" if kind == SLIDING else "compress"
+        device = self.lm_head.weight.device
+        if name not in self._rotary or self._rotary[name].inv_freq.device != device:
+            rope = self.config.main_rope if name == "main" else self.config.compress_rope
+            self._rotary[name] = Rotary(rope, device)
+        return self._rotary[name]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
+        """Run `batch` -> logits `[len(batch.logits_rows), vocab]` (fp32).
+
+        Writes the new tokens' state into `state`; the caller advances each request's
+        `num_tokens` once the step is accepted.
+        """
+        m = self.model
+        x = m.embed_tokens(batch.input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer in m.layers:
+            streams = layer(streams, batch, state, self.rotary(layer.self_attn.kind))
+        hidden = m.norm(m.hc_head(streams.index_select(0, batch.logits_rows)))
+        return self.lm_head(hidden).float()

@@ -1,0 +1,103 @@
+"""DeepSeek-V4 mixture of experts: learned top-k or hash routing, routed experts, one shared expert.
+
+Routed experts run as two grouped GEMMs over the tokens sorted by expert (no loop over experts).
+Shapes: T tokens, D hidden, E routed experts, k experts per token, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rackserve.config import HASH_MOE, ModelConfig
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU: silu(min(gate, limit)) · clamp(up, ±limit)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Router(nn.Module):
+    """Scores experts and picks k per token: by score + correction bias, or by a frozen hash table.
+
+    Either way the weights are the picked experts' scores, renormalised to sum to 1 and scaled
+    by `routed_scaling_factor`.
+    """
+
+    def __init__(self, config: ModelConfig, hashed: bool):
+        super().__init__()
+        self.k, self.hashed = config.num_experts_per_tok, hashed
+        self.scoring, self.scale = config.scoring_func, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, D]`, input_ids `[T]` -> (expert ids `[T, k]` long, weights `[T, k]`)."""
+        logits = F.linear(x, self.weight)
+        if self.scoring == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.scoring == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if self.hashed:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.e_score_correction_bias, self.k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scale
+
+
+class Experts(nn.Module):
+    """Routed experts stored as 3-D tensors: gate_up `[E, 2I, D]`, down `[E, D, I]`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.limit = config.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.zeros(e, d, i))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x `[T, D]`, ids/weights `[T, k]` -> Σ_k weight · expert(x) `[T, D]`."""
+        flat_ids = ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        token = order // ids.shape[1]
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0])
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        h = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets)
+        gate, up = h.chunk(2, dim=-1)
+        out = torch._grouped_mm(swiglu(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offsets)
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, i = config.hidden_size, config.moe_intermediate_size
+        self.limit = config.swiglu_limit
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.gate = Router(config, hashed=config.mlp_layer_types[layer] == HASH_MOE)
+        self.experts = Experts(config)
+        self.shared_experts = SharedExpert(config)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x `[T, D]`, input_ids `[T]` (hash routing reads them) -> `[T, D]`."""
+        ids, weights = self.gate(x, input_ids)
+        return self.experts(x, ids, weights) + self.shared_experts(x)

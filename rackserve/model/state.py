@@ -1,0 +1,186 @@
+"""Per-request DeepSeek-V4 state: what the "KV cache" is for V4.
+
+Two kinds of memory, both preallocated once:
+
+* **slots** (one per running request, fixed size): per layer the sliding-window ring of the last
+  `sliding_window` shared K=V vectors, and for compressed layers the compressor ring of the last
+  `ring_len` tokens' raw projections `[kv | gate]` (the carry: the partial window still being
+  filled and, for CSA, the previous window that overlaps the next entry). The indexer of a CSA
+  layer has a ring of its own.
+* **pages** (one per `block_size` tokens of a request): per compressed layer the compressed
+  entries of those tokens (`block_size / rate` of them) and, for CSA, the indexer's keys.
+
+A request holds one slot and a page table. `export` / `import_` copy a request's state out as a
+list of contiguous tensors and into another `ModelState` (on another rank, or back after a swap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rackserve.config import CSA, ModelConfig
+
+
+@dataclass
+class RequestState:
+    """A request's handle into a `ModelState`: its slot, its pages and how many tokens they hold."""
+
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass
+class StateBlob:
+    """A request's exported state: `num_tokens` and one contiguous tensor per stored piece.
+
+    The order of `tensors` is fixed by the layout (`ModelState.pieces`): for each layer its slot
+    rows, then its page rows for the pages in use.
+    """
+
+    num_tokens: int
+    tensors: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def ring_len(kind: str, rate: int) -> int:
+    """Tokens a compressor ring must keep: CSA's entry w reads windows w-1 and w (2·rate tokens)."""
+    return 2 * rate if kind == CSA else rate
+
+
+class ModelState:
+    """Preallocated state memory for `num_slots` requests and `num_pages` blocks.
+
+    `block_size` must be a multiple of every compress rate so that a page holds whole entries.
+    Tensors (per layer l, S = num_slots, P = num_pages, W = sliding_window, hd = head_dim):
+      swa[l]        [S, W, hd]                    ring indexed by position % W
+      ring[l]       [S, L, 2·c]                   compressor `[kv | gate]`, c = 2·hd (CSA) or hd (HCA)
+      entries[l]    [P, block_size / rate, hd]    compressed entries
+      index_ring[l] [S, 2·rate, 4·ihd]            CSA only: indexer `[kv | gate]`
+      index_keys[l] [P, block_size / rate, ihd]   CSA only: indexer keys
+    """
+
+    def __init__(self, config: ModelConfig, num_slots: int, num_pages: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if block_size <= 0 or block_size % config.min_block_size:
+            raise ValueError(
+                f"block_size={block_size} must be a positive multiple of {config.min_block_size} "
+                f"(the least common multiple of the compress rates {config.compress_rates})"
+            )
+        self.config, self.block_size = config, block_size
+        self.num_slots, self.num_pages = num_slots, num_pages
+        hd, ihd, w = config.head_dim, config.index_head_dim, config.sliding_window
+
+        def zeros(*shape: int) -> torch.Tensor:
+            # zeros, not empty: masked-out rows still enter matmuls and must not hold NaNs
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        n = config.num_hidden_layers
+        self.swa = [zeros(num_slots, w, hd) for _ in range(n)]
+        self.ring: list[torch.Tensor | None] = [None] * n
+        self.entries: list[torch.Tensor | None] = [None] * n
+        self.index_ring: list[torch.Tensor | None] = [None] * n
+        self.index_keys: list[torch.Tensor | None] = [None] * n
+        for layer, kind in enumerate(config.layer_types):
+            rate = config.compress_rate(layer)
+            if not rate:
+                continue
+            width = 2 * hd if kind == CSA else hd
+            self.ring[layer] = zeros(num_slots, ring_len(kind, rate), 2 * width)
+            self.entries[layer] = zeros(num_pages, block_size // rate, hd)
+            if kind == CSA:
+                self.index_ring[layer] = zeros(num_slots, ring_len(kind, rate), 4 * ihd)
+                self.index_keys[layer] = zeros(num_pages, block_size // rate, ihd)
+        self.uses_pages = any(e is not None for e in self.entries)
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._free_pages = list(range(num_pages - 1, -1, -1))
+
+    # ---- layout ------------------------------------------------------------------------------
+    def pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The slot-indexed and the page-indexed tensors, in export order."""
+        slot_t = [t for group in (self.swa, self.ring, self.index_ring) for t in group if t is not None]
+        page_t = [t for group in (self.entries, self.index_keys) for t in group if t is not None]
+        return slot_t, page_t
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (fixed per request)."""
+        return sum(t[0].numel() * t.element_size() for t in self.pieces()[0])
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (`block_size` tokens of compressed state)."""
+        return sum(t[0].numel() * t.element_size() for t in self.pieces()[1])
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold `num_tokens` tokens of compressed state."""
+        return -(-num_tokens // self.block_size) if self.uses_pages else 0
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def allocate(self) -> RequestState | None:
+        """A fresh, empty request state, or None when every slot is taken (wait, don't fail)."""
+        if not self._free_slots:
+            return None
+        return RequestState(slot=self._free_slots.pop())
+
+    def reserve(self, req: RequestState, num_tokens: int) -> bool:
+        """Make `req` able to hold `num_tokens` tokens; False (and nothing taken) if pages are short."""
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if need > len(self._free_pages):
+            return False
+        req.pages.extend(self._free_pages.pop() for _ in range(need))
+        return True
+
+    def free(self, req: RequestState) -> None:
+        """Return `req`'s slot and pages. The handle must not be used afterwards."""
+        self._free_pages.extend(reversed(req.pages))
+        self._free_slots.append(req.slot)
+        req.pages = []
+        req.num_tokens = 0
+
+    # ---- transfer ------------------------------------------------------------------------------
+    def export(self, req: RequestState) -> StateBlob:
+        """Copy `req`'s state out: slot rows, then the rows of the pages in use, per tensor."""
+        slot_t, page_t = self.pieces()
+        used = req.pages[: self.pages_for(req.num_tokens)]
+        index = torch.tensor(used, dtype=torch.long, device=self.swa[0].device)
+        tensors = [t[req.slot].clone() for t in slot_t] + [t.index_select(0, index) for t in page_t]
+        return StateBlob(num_tokens=req.num_tokens, tensors=tensors)
+
+    def import_(self, blob: StateBlob) -> RequestState | None:
+        """Allocate a request holding `blob`'s state; None when slots or pages are short."""
+        slot_t, page_t = self.pieces()
+        if len(blob.tensors) != len(slot_t) + len(page_t):
+            raise ValueError(
+                f"state blob has {len(blob.tensors)} tensors but this model's layout has "
+                f"{len(slot_t) + len(page_t)}; was it exported from the same model config?"
+            )
+        req = self.allocate()
+        if req is None:
+            return None
+        if not self.reserve(req, blob.num_tokens):
+            self.free(req)
+            return None
+        req.num_tokens = blob.num_tokens
+        for dst, src in zip(slot_t, blob.tensors):
+            dst[req.slot].copy_(src)
+        index = torch.tensor(req.pages, dtype=torch.long, device=self.swa[0].device)
+        for dst, src in zip(page_t, blob.tensors[len(slot_t):]):
+            dst.index_copy_(0, index[: src.shape[0]], src.to(dst.dtype))
+        return req
+

@@ -1,0 +1,123 @@
+"""The built-in tiny DeepSeek-V4 checkpoint: random weights, every architectural feature.
+
+`make_tiny(dir)` writes config.json, model.safetensors, tokenizer.json and tokenizer_config.json,
+with no download. The default config has all three attention types (sliding, CSA every 4 tokens,
+HCA every 16), hash and learned routing, YaRN on the compressed layers and an indexer top-k
+smaller than long prompts' entry counts; about half a million parameters, so a CPU runs it fast.
+The files load in `transformers.DeepseekV4ForCausalLM` as well as in rackserve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from rackserve.config import CSA, HCA, SLIDING, ModelConfig
+from rackserve.model.loader import build_model
+from rackserve.model.tokenizer import save_tokenizer, train_byte_bpe
+
+TINY_CONFIG = {
+    "model_type": "deepseek_v4",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "head_dim": 32,
+    "q_lora_rank": 32,
+    "partial_rotary_factor": 0.25,
+    "num_experts_per_tok": 2,
+    "n_routed_experts": 8,
+    "routed_scaling_factor": 1.5,
+    "layer_types": [HCA, SLIDING, CSA, HCA, CSA],
+    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe"],
+    "compress_rates": {CSA: 4, HCA: 16},
+    "sliding_window": 16,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "index_topk": 8,
+    "num_nextn_predict_layers": 0,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                     "beta_fast": 32, "beta_slow": 1},
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "dtype": "float32",
+}
+
+
+def default_cache_dir() -> Path:
+    """Where `model="tiny"` lives: $RACKSERVE_CACHE or ~/.cache/rackserve."""
+    root = os.environ.get("RACKSERVE_CACHE") or Path.home() / ".cache" / "rackserve"
+    return Path(root) / "tiny"
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Fill every weight with seeded random values scaled so activations stay O(1)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * std + mean
+
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            shape = t.shape
+            if name.endswith("tid2eid"):
+                vocab, k = shape
+                n_experts = model.config.n_routed_experts
+                value = torch.argsort(torch.rand(vocab, n_experts, generator=g), dim=1)[:, :k]
+            elif name.endswith("norm.weight"):
+                value = randn(shape, 0.1, 1.0)
+            elif name.endswith(("_hc.fn", "hc_head.hc_fn")):
+                value = randn(shape, 1 / math.sqrt(shape[1]))
+            elif name.endswith(("_hc.base", "hc_head.hc_base")):
+                value = randn(shape, 0.5)
+            elif name.endswith(("_hc.scale", "hc_head.hc_scale")):
+                value = randn(shape, 0.1, 1.0)
+            elif name.endswith(("sinks", "position_bias")):
+                value = randn(shape, 0.5)
+            elif name.endswith("e_score_correction_bias"):
+                value = randn(shape, 0.1)
+            elif name.endswith("embed_tokens.weight"):
+                value = randn(shape, 1.0)
+            else:  # projections [.., out, in]: unit-variance outputs for unit-variance inputs
+                value = randn(shape, 1 / math.sqrt(shape[-1]))
+            t.data.copy_(value.to(t.dtype))
+
+
+def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None) -> Path:
+    """Write a tiny random checkpoint (weights, config, tokenizer) into `path`; returns `path`.
+
+    `config` overrides fields of the default tiny config.json.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    raw = {**TINY_CONFIG, **(config or {})}
+    cfg = ModelConfig.from_dict(raw)
+    model = build_model(cfg, torch.float32)
+    randomize(model, seed)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    # write to a temporary name first so a crash never leaves a half-written checkpoint behind
+    tmp = path / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path / "model.safetensors")
+    save_tokenizer(train_byte_bpe(cfg.vocab_size), path)
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    return path
+
+
+def ensure_tiny(path: str | Path | None = None) -> Path:
+    """The tiny checkpoint at `path` (default cache dir), made once if it is not there yet."""
+    path = Path(path) if path else default_cache_dir()
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        make_tiny(path)
+    return path
