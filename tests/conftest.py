@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny checkpoints written once per test session, and a helper to run requests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from rackserve.config import CSA, HCA, SLIDING
+from rackserve.model import ForwardBatch, ModelState, RequestState, load_model
+from rackserve.model.tiny import make_tiny
+
+# index_topk = 128 ≥ every visible CSA entry count in these tests (≤ 364 tokens / 4), so the
+# indexer keeps every complete entry and the reference's tie-breaking cannot matter (DESIGN.md).
+REFERENCE_CONFIGS = {
+    # V4's default layer schedule (HCA, HCA, then HCA/CSA interleaved), default compress rates and window.
+    "default_schedule": {"num_hidden_layers": 4, "layer_types": None, "mlp_layer_types": None,
+                         "compress_rates": None, "sliding_window": 128, "index_topk": 128},
+    # A small window and small rates: 300 tokens cross dozens of window and compression boundaries.
+    "small_windows": {"num_hidden_layers": 5, "layer_types": [SLIDING, CSA, HCA, CSA, HCA],
+                      "compress_rates": {CSA: 4, HCA: 8}, "sliding_window": 8, "index_topk": 128},
+}
+
+
+@pytest.fixture(scope="session", params=sorted(REFERENCE_CONFIGS))
+def ref_checkpoint(request, tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp(request.param), seed=1, config=REFERENCE_CONFIGS[request.param])
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The built-in tiny config as shipped (indexer top-k 8, smaller than long prompts' entry counts)."""
+    return make_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference(ref_checkpoint):
+    from transformers import DeepseekV4ForCausalLM
+
+    return DeepseekV4ForCausalLM.from_pretrained(ref_checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def ours(ref_checkpoint):
+    return load_model(ref_checkpoint)
+
+
+def new_state(model, slots: int = 8, pages: int = 256) -> ModelState:
+    return ModelState(model.config, num_slots=slots, num_pages=pages, block_size=model.config.min_block_size * 2,
+                      dtype=model.dtype)
+
+
+def step(model, state: ModelState, requests: Sequence[tuple[RequestState, Sequence[int]]],
+         all_logits: bool = False) -> torch.Tensor:
+    """One forward over `requests`, then advance each request past its new tokens."""
+    for handle, ids in requests:
+        assert state.reserve(handle, handle.num_tokens + len(ids))
+    logits = model(ForwardBatch.build(state, requests, all_logits=all_logits), state)
+    for handle, ids in requests:
+        handle.num_tokens += len(ids)
+    return logits
+
+
+def prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

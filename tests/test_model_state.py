@@ -1,0 +1,107 @@
+"""Our model on its own: per-request state memory, and the indexer's top-k with fewer slots than entries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import new_state, prompt, step
+from rackserve.config import CSA
+from rackserve.model import ForwardBatch, ModelState, load_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return load_model(tiny_checkpoint)
+
+
+def test_chunked_equals_one_shot_when_the_indexer_drops_entries(tiny):
+    # index_topk = 8 while a 300-token prompt has up to 75 CSA entries: selection must not depend on
+    # how the prompt is chunked or batched
+    ids = prompt(300, seed=0)
+    state = new_state(tiny)
+    one_shot = step(tiny, state, [(state.allocate(), ids)], all_logits=True)
+    for chunk in (7, 128):
+        state = new_state(tiny)
+        handle = state.allocate()
+        chunked = torch.cat([step(tiny, state, [(handle, ids[i:i + chunk])], all_logits=True)
+                             for i in range(0, len(ids), chunk)])
+        assert (chunked - one_shot).abs().max() < 1e-4
+
+
+def test_indexer_keeps_the_top_k_and_breaks_ties_by_lowest_index(tiny):
+    layer = tiny.config.layer_types.index(CSA)
+    indexer = tiny.model.layers[layer].self_attn.compressor.indexer
+    state = new_state(tiny)
+    handle = state.allocate()
+    step(tiny, state, [(handle, prompt(150, seed=1))])
+    keys = state.index_keys[layer]
+    keys.view(-1, keys.shape[-1])[::3] = 0  # every third entry scores exactly 0: many exact ties
+    assert state.reserve(handle, 160)
+    batch = ForwardBatch.build(state, [(handle, prompt(10, seed=2))])
+    plan = batch.plans[CSA]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, tiny.config.hidden_size, generator=g)
+    q_residual = torch.randn(10, tiny.config.q_lora_rank, generator=g)
+    rotary = tiny.rotary(CSA)
+    with torch.no_grad():
+        chosen, valid = indexer.select(x, q_residual, batch.positions, plan, keys, rotary)
+
+        # brute force, one token and one entry at a time
+        from rackserve.model.rope import apply_rope
+        heads, dim = indexer.heads, indexer.dim
+        q = indexer.q_b_proj(q_residual).view(10, heads, dim)
+        q = apply_rope(q, *rotary.cos_sin(batch.positions, q.dtype))
+        head_w = indexer.scorer.weights_proj(x) * heads**-0.5
+        flat = keys.view(-1, dim)
+    k = indexer.topk
+    exact_ties = 0
+    for t in range(10):
+        seen = int(batch.positions[t] + 1) // tiny.config.csa_compress_rate
+        rows = plan.visible_row[t, :seen]
+        scores = [float(sum(head_w[t, h] * torch.relu(q[t, h] @ flat[r]) * dim**-0.5 for h in range(heads)))
+                  for r in rows]
+        picked = chosen[t][valid[t]].tolist()
+        assert len(picked) == min(k, seen) and all(e < seen for e in picked)
+        ranked = sorted(range(seen), key=lambda e: (-scores[e], e))
+        # the k-th best score bounds every pick from below; exact ties at the boundary go to the lowest index
+        kth = scores[ranked[len(picked) - 1]]
+        assert all(scores[e] >= kth - 1e-6 for e in picked)
+        assert all(scores[e] <= kth + 1e-6 for e in set(range(seen)) - set(picked))
+        tied = [e for e in range(seen) if scores[e] == kth]
+        exact_ties += len(tied) > 1
+        if len(tied) > 1:
+            taken = [e for e in picked if scores[e] == kth]
+            assert taken == sorted(tied)[: len(taken)]
+    assert exact_ties  # the tie rule was really exercised
+
+
+def test_allocation_waits_instead_of_failing(tiny):
+    state = ModelState(tiny.config, num_slots=2, num_pages=3, block_size=16)
+    a, b = state.allocate(), state.allocate()
+    assert state.allocate() is None
+    assert state.reserve(a, 32) and a.pages and len(a.pages) == 2
+    assert not state.reserve(b, 32) and b.pages == []  # 2 pages needed, 1 free: nothing is taken
+    assert state.reserve(b, 16) and state.free_pages == 0
+    state.free(a)
+    assert state.free_slots == 1 and state.free_pages == 2
+    assert state.pages_for(33) == 3
+    with pytest.raises(ValueError, match="block_size=12 must be a positive multiple of 16"):
+        ModelState(tiny.config, num_slots=1, num_pages=1, block_size=12)
+
+
+def test_batch_rejects_requests_without_room(tiny):
+    state = ModelState(tiny.config, num_slots=1, num_pages=4, block_size=16)
+    handle = state.allocate()
+    with pytest.raises(ValueError, match="call ModelState.reserve first"):
+        ForwardBatch.build(state, [(handle, prompt(20, seed=0))])
+
+
+def test_import_of_a_foreign_layout_is_refused(tiny):
+    state = new_state(tiny)
+    handle = state.allocate()
+    step(tiny, state, [(handle, prompt(20, seed=0))])
+    blob = state.export(handle)
+    blob.tensors = blob.tensors[1:]
+    with pytest.raises(ValueError, match="same model config"):
+        state.import_(blob)
