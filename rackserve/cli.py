@@ -14,6 +14,25 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from rackserve.engine import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    print(f"[rackserve] model={args.model} prompt={args.prompt!r}", file=sys.stderr)
+    final = None
+    for out in llm.stream(args.prompt, params):
+        print(out.new_text, end="", flush=True)
+        final = out
+    print()
+    if final is not None:
+        stats = llm.engine.stats()
+        print(f"[rackserve] {final.num_output_tokens} tokens, finish_reason={final.finish_reason}, "
+              f"prompt_tokens={final.num_prompt_tokens}, steps={stats['steps']}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rackserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -21,12 +40,28 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", help="output directory (created if missing)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     tiny.set_defaults(func=_make_tiny)
+
+    gen = sub.add_parser("generate", help="generate text offline in this process (default: the tiny model)")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--model", default="tiny", help='"tiny" (built in, made once and cached) or a checkpoint dir')
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--device", default="cpu")
+    gen.set_defaults(func=_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as e:  # configuration and request errors carry their own fix
+        print(f"rackserve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

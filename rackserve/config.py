@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -328,3 +328,66 @@ def _parse_rope(raw: dict[str, Any], rope_dim: int, head_dim: int) -> tuple[Rope
     if compress.get("rope_type", compress.get("type", "default")) == "yarn":
         compress.setdefault("attention_factor", 1.0)
     return RopeConfig(theta=main_theta, dim=rope_dim), build(compress, compress_theta)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine (one DP rank). Model-dependent defaults are resolved by `resolve`.
+
+    max_num_seqs: requests running at once (each holds one state slot).
+    max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
+    max_model_len: prompt + output tokens of one request; default min(max_position_embeddings, 8192).
+    block_size: tokens per state page and prefix-cache block; a multiple of every compress rate
+      (default: their least common multiple, at least 16).
+    state_memory_mb: bytes budget of the state cache (slots, pages and prefix-cache snapshots), MiB.
+    prefix_caching: keep full blocks of finished requests to skip their prefill next time.
+    prefix_snapshots: how many block-boundary snapshots of window/carry state the prefix cache may
+      keep (default max_num_seqs); each costs one slot of memory.
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    block_size: int | None = None
+    state_memory_mb: float = 256.0
+    prefix_caching: bool = True
+    prefix_snapshots: int | None = None
+    dtype: str | None = None
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.max_num_batched_tokens <= self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must exceed max_num_seqs="
+                f"{self.max_num_seqs}, or a full decode batch would leave no budget for prefill"
+            )
+        for name in ("max_model_len", "block_size", "prefix_snapshots"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (0 if name == "prefix_snapshots" else 1)):
+                raise ConfigError(f"{name}={value!r} must be a positive integer (or omitted for the default)")
+        if not self.state_memory_mb > 0:
+            raise ConfigError(f"state_memory_mb={self.state_memory_mb!r} must be > 0")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {_DTYPES}")
+
+    def resolve(self, model: ModelConfig) -> "EngineConfig":
+        """Fill the model-dependent defaults and check them against `model`."""
+        block = self.block_size or model.min_block_size * max(1, -(-16 // model.min_block_size))
+        if block % model.min_block_size:
+            raise ConfigError(
+                f"block_size={block} must be a multiple of {model.min_block_size}, the least common multiple "
+                f"of this model's compress rates {model.compress_rates}"
+            )
+        max_len = self.max_model_len or min(model.max_position_embeddings, 8192)
+        if max_len > model.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                f"{model.max_position_embeddings}"
+            )
+        return replace(self, block_size=block, max_model_len=max_len, dtype=self.dtype or model.dtype,
+                       prefix_snapshots=self.max_num_seqs if self.prefix_snapshots is None else self.prefix_snapshots)

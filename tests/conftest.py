@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rackserve.config import CSA, HCA, SLIDING
-from rackserve.model import ForwardBatch, ModelState, RequestState, load_model
+from rackserve.engine.state_cache import CacheHandle, StateCache
+from rackserve.model import ForwardBatch, load_model
 from rackserve.model.tiny import make_tiny
 
 # index_topk = 128 ≥ every visible CSA entry count in these tests (≤ 364 tokens / 4), so the
@@ -46,17 +47,18 @@ def ours(ref_checkpoint):
     return load_model(ref_checkpoint)
 
 
-def new_state(model, slots: int = 8, pages: int = 256) -> ModelState:
-    return ModelState(model.config, num_slots=slots, num_pages=pages, block_size=model.config.min_block_size * 2,
-                      dtype=model.dtype)
+def new_state(model, slots: int = 8, budget_mb: int = 32) -> StateCache:
+    """State memory for `slots` requests, without prefix caching (the model tests drive it directly)."""
+    return StateCache(model.config, block_size=model.config.min_block_size * 2, max_requests=slots,
+                      budget_bytes=budget_mb << 20, prefix_caching=False, dtype=model.dtype)
 
 
-def step(model, state: ModelState, requests: Sequence[tuple[RequestState, Sequence[int]]],
+def step(model, cache: StateCache, requests: Sequence[tuple[CacheHandle, Sequence[int]]],
          all_logits: bool = False) -> torch.Tensor:
     """One forward over `requests`, then advance each request past its new tokens."""
     for handle, ids in requests:
-        assert state.reserve(handle, handle.num_tokens + len(ids))
-    logits = model(ForwardBatch.build(state, requests, all_logits=all_logits), state)
+        assert cache.reserve(handle, handle.num_tokens + len(ids))
+    logits = model(ForwardBatch.build(cache.state, requests, all_logits=all_logits), cache.state)
     for handle, ids in requests:
         handle.num_tokens += len(ids)
     return logits

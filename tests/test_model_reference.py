@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from conftest import new_state, prompt, step
-from rackserve.model import ModelState
 
 ATOL = 1e-4
 
@@ -99,15 +98,14 @@ def test_ragged_batch_equals_each_alone(ours):
 
 
 def test_exported_state_continues_identically(ours):
-    config = ours.config
     source = new_state(ours, slots=2)
     handle = source.allocate()
     step(ours, source, [(handle, prompt(45, seed=3))])  # mid-window: the carry is not empty
     blob = source.export(handle)
-    assert blob.nbytes == source.slot_bytes + source.pages_for(45) * source.page_bytes
+    assert blob.nbytes == source.state.slot_bytes + source.pages_for(45) * source.state.page_bytes
 
     # a different shape of state memory, with other requests already in it: other slot and pages
-    target = ModelState(config, num_slots=5, num_pages=300, block_size=source.block_size)
+    target = new_state(ours, slots=5, budget_mb=8)
     for _ in range(3):
         other = target.allocate()
         assert target.reserve(other, 100)

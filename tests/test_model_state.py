@@ -7,7 +7,7 @@ import torch
 
 from conftest import new_state, prompt, step
 from rackserve.config import CSA
-from rackserve.model import ForwardBatch, ModelState, load_model
+from rackserve.model import ForwardBatch, load_model
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +32,13 @@ def test_chunked_equals_one_shot_when_the_indexer_drops_entries(tiny):
 def test_indexer_keeps_the_top_k_and_breaks_ties_by_lowest_index(tiny):
     layer = tiny.config.layer_types.index(CSA)
     indexer = tiny.model.layers[layer].self_attn.compressor.indexer
-    state = new_state(tiny)
-    handle = state.allocate()
-    step(tiny, state, [(handle, prompt(150, seed=1))])
-    keys = state.index_keys[layer]
+    cache = new_state(tiny)
+    handle = cache.allocate()
+    step(tiny, cache, [(handle, prompt(150, seed=1))])
+    keys = cache.state.index_keys[layer]
     keys.view(-1, keys.shape[-1])[::3] = 0  # every third entry scores exactly 0: many exact ties
-    assert state.reserve(handle, 160)
-    batch = ForwardBatch.build(state, [(handle, prompt(10, seed=2))])
+    assert cache.reserve(handle, 160)
+    batch = ForwardBatch.build(cache.state, [(handle, prompt(10, seed=2))])
     plan = batch.plans[CSA]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10, tiny.config.hidden_size, generator=g)
@@ -76,32 +76,18 @@ def test_indexer_keeps_the_top_k_and_breaks_ties_by_lowest_index(tiny):
     assert exact_ties  # the tie rule was really exercised
 
 
-def test_allocation_waits_instead_of_failing(tiny):
-    state = ModelState(tiny.config, num_slots=2, num_pages=3, block_size=16)
-    a, b = state.allocate(), state.allocate()
-    assert state.allocate() is None
-    assert state.reserve(a, 32) and a.pages and len(a.pages) == 2
-    assert not state.reserve(b, 32) and b.pages == []  # 2 pages needed, 1 free: nothing is taken
-    assert state.reserve(b, 16) and state.free_pages == 0
-    state.free(a)
-    assert state.free_slots == 1 and state.free_pages == 2
-    assert state.pages_for(33) == 3
-    with pytest.raises(ValueError, match="block_size=12 must be a positive multiple of 16"):
-        ModelState(tiny.config, num_slots=1, num_pages=1, block_size=12)
-
-
 def test_batch_rejects_requests_without_room(tiny):
-    state = ModelState(tiny.config, num_slots=1, num_pages=4, block_size=16)
-    handle = state.allocate()
-    with pytest.raises(ValueError, match="call ModelState.reserve first"):
-        ForwardBatch.build(state, [(handle, prompt(20, seed=0))])
+    cache = new_state(tiny)
+    handle = cache.allocate()
+    with pytest.raises(ValueError, match=r"reserve pages first"):
+        ForwardBatch.build(cache.state, [(handle, prompt(20, seed=0))])
 
 
 def test_import_of_a_foreign_layout_is_refused(tiny):
-    state = new_state(tiny)
-    handle = state.allocate()
-    step(tiny, state, [(handle, prompt(20, seed=0))])
-    blob = state.export(handle)
+    cache = new_state(tiny)
+    handle = cache.allocate()
+    step(tiny, cache, [(handle, prompt(20, seed=0))])
+    blob = cache.export(handle)
     blob.tensors = blob.tensors[1:]
     with pytest.raises(ValueError, match="same model config"):
-        state.import_(blob)
+        cache.import_(blob)

@@ -103,7 +103,7 @@ class ForwardBatch:
             if state.pages_for(h.num_tokens + len(ids)) > len(h.pages):
                 raise ValueError(
                     f"request in slot {h.slot} has {len(h.pages)} pages, too few for "
-                    f"{h.num_tokens + len(ids)} tokens; call ModelState.reserve first"
+                    f"{h.num_tokens + len(ids)} tokens; reserve pages first (StateCache.reserve)"
                 )
             page_table[r, : len(h.pages)] = torch.tensor(h.pages, dtype=torch.long)
         input_ids = torch.tensor([t for _, ids in requests for t in ids], dtype=torch.long)

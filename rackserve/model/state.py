@@ -10,8 +10,9 @@ Two kinds of memory, both preallocated once:
 * **pages** (one per `block_size` tokens of a request): per compressed layer the compressed
   entries of those tokens (`block_size / rate` of them) and, for CSA, the indexer's keys.
 
-A request holds one slot and a page table. `export` / `import_` copy a request's state out as a
-list of contiguous tensors and into another `ModelState` (on another rank, or back after a swap).
+A request holds one slot and a page table (`RequestState`); which slots and pages are free is the
+state cache's business (`rackserve.engine.state_cache`). `export` / `write` copy a request's state
+out as a list of contiguous tensors and into another `ModelState` (another rank, or a snapshot).
 """
 
 from __future__ import annotations
@@ -97,8 +98,6 @@ class ModelState:
                 self.index_ring[layer] = zeros(num_slots, ring_len(kind, rate), 4 * ihd)
                 self.index_keys[layer] = zeros(num_pages, block_size // rate, ihd)
         self.uses_pages = any(e is not None for e in self.entries)
-        self._free_slots = list(range(num_slots - 1, -1, -1))
-        self._free_pages = list(range(num_pages - 1, -1, -1))
 
     # ---- layout ------------------------------------------------------------------------------
     def pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -121,38 +120,6 @@ class ModelState:
         """Pages needed to hold `num_tokens` tokens of compressed state."""
         return -(-num_tokens // self.block_size) if self.uses_pages else 0
 
-    @property
-    def free_slots(self) -> int:
-        return len(self._free_slots)
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free_pages)
-
-    # ---- allocation ----------------------------------------------------------------------------
-    def allocate(self) -> RequestState | None:
-        """A fresh, empty request state, or None when every slot is taken (wait, don't fail)."""
-        if not self._free_slots:
-            return None
-        return RequestState(slot=self._free_slots.pop())
-
-    def reserve(self, req: RequestState, num_tokens: int) -> bool:
-        """Make `req` able to hold `num_tokens` tokens; False (and nothing taken) if pages are short."""
-        need = self.pages_for(num_tokens) - len(req.pages)
-        if need <= 0:
-            return True
-        if need > len(self._free_pages):
-            return False
-        req.pages.extend(self._free_pages.pop() for _ in range(need))
-        return True
-
-    def free(self, req: RequestState) -> None:
-        """Return `req`'s slot and pages. The handle must not be used afterwards."""
-        self._free_pages.extend(reversed(req.pages))
-        self._free_slots.append(req.slot)
-        req.pages = []
-        req.num_tokens = 0
-
     # ---- transfer ------------------------------------------------------------------------------
     def export(self, req: RequestState) -> StateBlob:
         """Copy `req`'s state out: slot rows, then the rows of the pages in use, per tensor."""
@@ -162,25 +129,25 @@ class ModelState:
         tensors = [t[req.slot].clone() for t in slot_t] + [t.index_select(0, index) for t in page_t]
         return StateBlob(num_tokens=req.num_tokens, tensors=tensors)
 
-    def import_(self, blob: StateBlob) -> RequestState | None:
-        """Allocate a request holding `blob`'s state; None when slots or pages are short."""
+    def write(self, req: RequestState, blob: StateBlob) -> None:
+        """Write `blob` into `req`'s slot and first pages (allocated by the caller); sets `num_tokens`."""
         slot_t, page_t = self.pieces()
         if len(blob.tensors) != len(slot_t) + len(page_t):
             raise ValueError(
                 f"state blob has {len(blob.tensors)} tensors but this model's layout has "
                 f"{len(slot_t) + len(page_t)}; was it exported from the same model config?"
             )
-        req = self.allocate()
-        if req is None:
-            return None
-        if not self.reserve(req, blob.num_tokens):
-            self.free(req)
-            return None
-        req.num_tokens = blob.num_tokens
+        if len(req.pages) < self.pages_for(blob.num_tokens):
+            raise ValueError(f"{blob.num_tokens} tokens need {self.pages_for(blob.num_tokens)} pages; "
+                             f"the request holds {len(req.pages)}")
         for dst, src in zip(slot_t, blob.tensors):
             dst[req.slot].copy_(src)
         index = torch.tensor(req.pages, dtype=torch.long, device=self.swa[0].device)
         for dst, src in zip(page_t, blob.tensors[len(slot_t):]):
             dst.index_copy_(0, index[: src.shape[0]], src.to(dst.dtype))
-        return req
+        req.num_tokens = blob.num_tokens
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy slot `src`'s rows (window and carry) into slot `dst`, for every layer."""
+        for t in self.pieces()[0]:
+            t[dst].copy_(t[src])

@@ -1,0 +1,74 @@
+"""`rackserve.LLM`: offline generation in one process.
+
+    llm = LLM("tiny")                      # the built-in tiny checkpoint (made once, cached)
+    [c] = llm.generate("The rack hums", SamplingParams(max_tokens=16, temperature=0))
+    for out in llm.stream("The rack hums"):
+        print(out.new_text, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from rackserve.config import EngineConfig
+from rackserve.engine.engine import Engine
+from rackserve.engine.request import Completion, Request, RequestOutput
+from rackserve.engine.sampling import SamplingParams
+from rackserve.model import load_model
+from rackserve.model.tiny import ensure_tiny
+from rackserve.model.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str | Path = "tiny", **engine_kwargs):
+        """`model` is "tiny" or a checkpoint directory; `engine_kwargs` are `EngineConfig` fields."""
+        config = EngineConfig(**engine_kwargs)
+        path = ensure_tiny() if str(model) == "tiny" else Path(model)
+        weights = load_model(path, dtype=config.dtype, device=config.device)
+        tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        self.engine = Engine(weights, tokenizer, config)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Run every prompt to completion, batched; completions come back in prompt order."""
+        prompts = _as_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
+        requests = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [_completion(r) for r in requests]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield each step's new tokens and text for one prompt (other queued work advances too).
+        Closing the iterator early aborts the request."""
+        req = self.engine.add_request(prompt, params)
+        try:
+            while not req.finished:
+                for out in self.engine.step():
+                    if out.request_id == req.request_id:
+                        yield out
+        finally:
+            if not req.finished:
+                self.engine.abort(req.request_id)
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def _completion(req: Request) -> Completion:
+    text = req.detokenizer.text if req.detokenizer is not None else ""
+    return Completion(request_id=req.request_id, prompt_token_ids=req.prompt_ids, token_ids=req.output_ids,
+                      text=text, finish_reason=req.finish_reason or "abort", num_cached_tokens=req.num_cached,
+                      logprobs=req.logprobs if req.params.logprobs is not None else None)

@@ -1,0 +1,192 @@
+"""Continuous batching: which requests run how many tokens this step, and what their results mean.
+
+`schedule()` fills a token budget: running decodes first, then running prefills (chunked), then
+new requests in arrival order (a long prompt at the head is never overtaken, so it cannot starve).
+When state memory runs out, the latest-arrived unscheduled running request is preempted: its
+state is freed and it is recomputed later (the prefix cache usually makes that cheap).
+`update()` applies the sampled tokens and decides which requests have finished.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rackserve.config import EngineConfig
+from rackserve.engine.request import Request, RequestOutput, Status, TokenLogprobs
+from rackserve.engine.state_cache import StateCache
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens `[start, start + num_tokens)` of `request.token_ids` to compute this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the last known token, so its logits give the next token."""
+        return self.start + self.num_tokens == len(self.request.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass
+class RunnerOutput:
+    """One sampled token per chunk that `samples`, in chunk order."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: StateCache):
+        self.config, self.cache = config, cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is and free its state; None if it is not here."""
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._finish(req, "abort")
+                    return req
+        return None
+
+    # ---- schedule ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        decodes = [r for r in self.running if len(r.token_ids) - r.num_computed == 1]
+        prefills = [r for r in self.running if len(r.token_ids) - r.num_computed > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._chunk(req, budget)
+            if self._make_room(req, n, scheduled, out):
+                out.chunks.append(ScheduledChunk(req, req.num_computed, n))
+                scheduled.add(req.request_id)
+                budget -= n
+        # admit new requests only when nobody had to be preempted: memory is tight otherwise
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            handle = self.cache.allocate(req.token_ids)
+            if handle is None:
+                break
+            n = self._chunk(req, budget, start=handle.num_tokens)
+            if not self.cache.reserve(handle, handle.num_tokens + n):
+                self.cache.free(handle)
+                break
+            self.waiting.popleft()
+            if req.num_preemptions == 0:
+                req.num_cached = handle.num_tokens
+            req.handle, req.num_computed, req.status = handle, handle.num_tokens, Status.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, req.num_computed, n))
+            budget -= n
+        return out
+
+    def _chunk(self, req: Request, budget: int, start: int | None = None) -> int:
+        """Tokens to compute for `req` this step. A chunk that does not finish the prompt ends on a
+        block boundary where it can, so the prefix cache can snapshot the state there."""
+        start = req.num_computed if start is None else start
+        end = min(len(req.token_ids), start + budget)
+        if end < len(req.token_ids):
+            aligned = end // self.cache.block_size * self.cache.block_size
+            if aligned > start:
+                end = aligned
+        return end - start
+
+    def _make_room(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Reserve state for `n` more tokens of `req`, preempting later arrivals; False if `req` itself
+        had to go."""
+        while not self.cache.reserve(req.handle, req.num_computed + n):
+            candidates = [r for r in self.running if r.request_id not in scheduled]
+            victim = max(candidates, key=lambda r: r.arrival)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.free(req.handle)
+        req.handle, req.num_computed, req.status = None, 0, Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- update ------------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Apply a step's results; one output per request that sampled a token (or finished)."""
+        outputs = []
+        sampled = iter(zip(result.token_ids, result.logprobs))
+        for chunk in out.chunks:
+            req = chunk.request
+            if not chunk.samples:
+                req.num_computed += chunk.num_tokens
+                continue
+            token, logprobs = next(sampled)
+            if req.finished:  # aborted while the step ran
+                continue
+            req.num_computed += chunk.num_tokens
+            outputs.append(self._append(req, token, logprobs))
+        return outputs
+
+    def _append(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        params = req.params
+        req.token_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        reason = None
+        is_eos = token in req.eos_ids and not params.ignore_eos
+        text = ""
+        if token in params.stop_token_ids or is_eos:
+            reason = "stop"
+        elif req.detokenizer is not None:
+            text = req.detokenizer.add([token])
+            if req.detokenizer.stopped:
+                reason = "stop"
+        if reason is None and (len(req.token_ids) - req.num_prompt >= params.max_tokens
+                               or len(req.token_ids) >= self.config.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.running.remove(req)
+            self._finish(req, reason)
+            if req.detokenizer is not None:
+                text += req.detokenizer.flush()
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=[token], new_text=text, finished=reason is not None,
+            finish_reason=reason, new_logprobs=[logprobs] if logprobs is not None else [],
+            num_prompt_tokens=req.num_prompt, num_cached_tokens=req.num_cached,
+            num_output_tokens=len(req.token_ids) - req.num_prompt,
+        )
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.handle is not None:
+            self.cache.free(req.handle)
+            req.handle = None
+        req.status, req.finish_reason = Status.FINISHED, reason

@@ -1,0 +1,249 @@
+"""The state cache: V4 per-request state under a byte budget, with prefix caching.
+
+Memory is one `ModelState`: slots (sliding windows + compressor carry, one per running request)
+and pages (compressed entries + indexer keys, one per `block_size` tokens). This class decides who
+owns what:
+
+* `allocate(token_ids)` gives a new request a slot, starting from the longest cached prefix;
+  `reserve` adds pages as the request grows; both return None / False to mean "wait", never raise.
+* Prefix caching. A full block's compressed entries never change, so its page is shared by every
+  request with the same token prefix, found by a hash chain over full blocks. To *continue* after a
+  prefix, a request also needs the window and carry at the prefix's end: a **snapshot** of a slot,
+  taken whenever a request's state sits exactly on a block boundary (the runner arranges that at
+  the end of each prefill). A lookup therefore returns the longest chain of cached blocks that ends
+  in a block with a snapshot.
+* Pages are reference-counted (holding requests + 1 for the cache); a cached block nobody holds is
+  evictable, least recently used first, when a request needs memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rackserve.config import ModelConfig
+from rackserve.model.state import ModelState, RequestState, StateBlob
+
+
+@dataclass
+class CacheHandle(RequestState):
+    """A request's state handle plus the hash chain of its full blocks."""
+
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class _Block:
+    page: int
+    snapshot: int | None = None  # slot holding the window/carry at this block's end
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    hits: int = 0  # lookups that reused at least one block
+    hit_tokens: int = 0  # prompt tokens whose prefill was skipped
+    evictions: int = 0
+    snapshots: int = 0
+
+
+def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The hash of a block: its tokens chained to the hash of everything before it."""
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+class StateCache:
+    def __init__(self, config: ModelConfig, block_size: int, max_requests: int, budget_bytes: int,
+                 prefix_caching: bool = True, max_snapshots: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        """Size the memory from `budget_bytes`: `max_requests + max_snapshots` slots, pages for the rest."""
+        max_snapshots = (max_requests if max_snapshots is None else max_snapshots) if prefix_caching else 0
+        probe = ModelState(config, 1, 1, block_size, dtype, device="meta")
+        slots = max_requests + max_snapshots
+        slot_bytes, page_bytes = probe.slot_bytes, probe.page_bytes
+        rest = budget_bytes - slots * slot_bytes
+        pages = rest // page_bytes if probe.uses_pages else 0
+        if rest < 0 or (probe.uses_pages and pages < 1):
+            raise ValueError(
+                f"a state budget of {budget_bytes / 2**20:.1f} MiB cannot hold {slots} slots of "
+                f"{slot_bytes / 2**20:.2f} MiB plus pages of {page_bytes / 2**20:.3f} MiB; raise the state "
+                "memory or lower max_num_seqs / prefix_snapshots"
+            )
+        self.state = ModelState(config, slots, int(pages), block_size, dtype, device)
+        self.block_size, self.max_snapshots, self.prefix_caching = block_size, max_snapshots, prefix_caching
+        self.stats = CacheStats()
+        self._free_slots = list(range(slots - 1, -1, -1))
+        self._free_pages = list(range(int(pages) - 1, -1, -1))
+        self._page_refs = [0] * int(pages)
+        self._blocks: dict[bytes, _Block] = {}
+        self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refs == 1 (cache only), oldest first
+        self._num_snapshots = 0
+
+    # ---- sizes -----------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.state.num_pages
+
+    @property
+    def bytes_total(self) -> int:
+        return self.state.num_slots * self.state.slot_bytes + self.num_pages * self.state.page_bytes
+
+    @property
+    def bytes_in_use(self) -> int:
+        used_slots = self.state.num_slots - len(self._free_slots)
+        used_pages = self.num_pages - len(self._free_pages)
+        return used_slots * self.state.slot_bytes + used_pages * self.state.page_bytes
+
+    def pages_for(self, num_tokens: int) -> int:
+        return self.state.pages_for(num_tokens)
+
+    # ---- allocation --------------------------------------------------------------------------------
+    def allocate(self, token_ids: list[int] | None = None) -> CacheHandle | None:
+        """A slot for a new request, primed with the longest cached prefix of `token_ids`.
+
+        At least the last token is always left to compute (its logits are needed). None if no slot
+        can be had. The handle's `num_tokens` says how many tokens the prefix cache covered.
+        """
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        handle = CacheHandle(slot=slot)
+        if self.prefix_caching and token_ids:
+            self.stats.lookups += 1
+            chain, best = self._lookup(token_ids[:-1])
+            if best >= 0:
+                for h in chain[: best + 1]:
+                    block = self._blocks[h]
+                    self._ref_page(block.page)
+                    handle.pages.append(block.page)
+                    self._evictable.pop(h, None)
+                snapshot = self._blocks[chain[best]].snapshot
+                self.state.copy_slot(snapshot, slot)
+                handle.block_hashes = chain[: best + 1]
+                handle.num_tokens = (best + 1) * self.block_size
+                self.stats.hits += 1
+                self.stats.hit_tokens += handle.num_tokens
+        return handle
+
+    def reserve(self, handle: CacheHandle, num_tokens: int) -> bool:
+        """Give `handle` the pages for `num_tokens` tokens, evicting cached blocks if needed.
+        False (and nothing taken) when even eviction cannot free enough: the caller waits or preempts."""
+        need = self.pages_for(num_tokens) - len(handle.pages)
+        if need <= 0:
+            return True
+        while len(self._free_pages) < need and self._evict_one():
+            pass
+        if len(self._free_pages) < need:
+            return False
+        for _ in range(need):
+            page = self._free_pages.pop()
+            self._page_refs[page] = 1
+            handle.pages.append(page)
+        return True
+
+    def free(self, handle: CacheHandle) -> None:
+        """Release `handle`'s slot and pages; cached blocks stay (evictable) for later requests."""
+        for page in handle.pages:
+            self._unref_page(page)
+        for h in handle.block_hashes:
+            block = self._blocks.get(h)
+            if block is not None and self._page_refs[block.page] == 1:
+                self._evictable[h] = None
+                self._evictable.move_to_end(h)
+        self._free_slots.append(handle.slot)
+        handle.pages, handle.block_hashes, handle.num_tokens = [], [], 0
+
+    # ---- prefix cache ------------------------------------------------------------------------------
+    def commit(self, handle: CacheHandle, token_ids: list[int]) -> None:
+        """Register `handle`'s newly completed full blocks (`token_ids` = its tokens so far), and
+        snapshot its slot if it sits exactly on a block boundary."""
+        if not self.prefix_caching:
+            return
+        b = self.block_size
+        full = handle.num_tokens // b
+        for i in range(len(handle.block_hashes), full):
+            parent = handle.block_hashes[-1] if handle.block_hashes else b""
+            h = chain_hash(parent, token_ids[i * b:(i + 1) * b])
+            handle.block_hashes.append(h)
+            if h not in self._blocks:
+                self._blocks[h] = _Block(page=handle.pages[i])
+                self._ref_page(handle.pages[i])
+        if full and handle.num_tokens == full * b:
+            block = self._blocks[handle.block_hashes[-1]]
+            if block.snapshot is None and self._num_snapshots < self.max_snapshots and self._free_slots:
+                block.snapshot = self._free_slots.pop()
+                self.state.copy_slot(handle.slot, block.snapshot)
+                self._num_snapshots += 1
+                self.stats.snapshots += 1
+
+    def _lookup(self, token_ids: list[int]) -> tuple[list[bytes], int]:
+        """Hashes of the cached full blocks of `token_ids`, and the index of the last one with a snapshot."""
+        b, chain, best, parent = self.block_size, [], -1, b""
+        for i in range(len(token_ids) // b):
+            parent = chain_hash(parent, token_ids[i * b:(i + 1) * b])
+            block = self._blocks.get(parent)
+            if block is None:
+                break
+            chain.append(parent)
+            if block.snapshot is not None:
+                best = i
+        return chain, best
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _take_slot(self) -> int | None:
+        if not self._free_slots:
+            self._evict_snapshot()
+        return self._free_slots.pop() if self._free_slots else None
+
+    def _evict_snapshot(self) -> None:
+        """Free the least recently used evictable snapshot's slot (requests come before snapshots)."""
+        for h in self._evictable:
+            block = self._blocks[h]
+            if block.snapshot is not None:
+                self._drop_snapshot(block)
+                self.stats.evictions += 1
+                return
+
+    def _evict_one(self) -> bool:
+        """Drop the least recently used block nobody holds; False if there is none."""
+        if not self._evictable:
+            return False
+        h, _ = self._evictable.popitem(last=False)
+        block = self._blocks.pop(h)
+        if block.snapshot is not None:
+            self._drop_snapshot(block)
+        self._unref_page(block.page)
+        self.stats.evictions += 1
+        return True
+
+    def _drop_snapshot(self, block: _Block) -> None:
+        self._free_slots.append(block.snapshot)
+        block.snapshot = None
+        self._num_snapshots -= 1
+
+    def _ref_page(self, page: int) -> None:
+        self._page_refs[page] += 1
+
+    def _unref_page(self, page: int) -> None:
+        self._page_refs[page] -= 1
+        if self._page_refs[page] == 0:
+            self._free_pages.append(page)
+
+    # ---- transfer ----------------------------------------------------------------------------------
+    def export(self, handle: CacheHandle) -> StateBlob:
+        return self.state.export(handle)
+
+    def import_(self, blob: StateBlob) -> CacheHandle | None:
+        """A new request holding `blob`'s state; None when slots or pages are short (wait)."""
+        handle = self.allocate()
+        if handle is None:
+            return None
+        if not self.reserve(handle, blob.num_tokens):
+            self.free(handle)
+            return None
+        self.state.write(handle, blob)
+        return handle
