@@ -99,6 +99,10 @@ def test_repeated_prefix_is_served_from_the_prefix_cache(checkpoint, reference):
     stats = llm.engine.stats()
     assert again.num_cached_tokens == stats["hit_tokens"] == 144  # 9 full blocks of the 149 before the last
     assert again.token_ids == first.token_ids
+    aligned = prompt(160, seed=302)  # ends on a block boundary: a repeat resumes one block earlier
+    [a1] = llm.generate(aligned, params)
+    [a2] = llm.generate(aligned, params)
+    assert a2.num_cached_tokens == 144 and a2.token_ids == a1.token_ids
     # a longer prompt that starts with the first one (a second turn) reuses it too
     turn2 = shared + first.token_ids + prompt(20, seed=301)
     [second] = llm.generate(turn2, params)

@@ -2,7 +2,9 @@
 
 A chunk that crosses a block boundary without ending on one is run in two passes, split at its
 last boundary, so the request's state passes through that boundary and the prefix cache can
-snapshot it there (`StateCache.commit`). Other chunks go entirely into the first pass.
+snapshot it there (`StateCache.commit`). A final prompt chunk splits at the last boundary before
+its last token even when it ends on a boundary: a repeat of the prompt resumes there. Other
+chunks go entirely into the first pass.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ class Runner:
         for chunk in out.chunks:
             ids = chunk.request.token_ids[chunk.start:chunk.start + chunk.num_tokens]
             end = chunk.start + chunk.num_tokens
-            cut = end // self.cache.block_size * self.cache.block_size - chunk.start
+            # the last boundary before the chunk's end; for a final chunk, strictly before its last
+            # token, which is where a later request with the same tokens will resume
+            last = end - 1 if chunk.samples else end
+            cut = last // self.cache.block_size * self.cache.block_size - chunk.start
             if self.cache.prefix_caching and 0 < cut < len(ids):
                 passes[0].append((chunk, ids[:cut]))
                 passes[1].append((chunk, ids[cut:]))
