@@ -57,9 +57,10 @@ class HyperConnection(nn.Module):
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        # in place: on [T, N, N] matrices the cost is per-op overhead, not arithmetic
         for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+            comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
+            comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 
