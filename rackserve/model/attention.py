@@ -10,12 +10,14 @@ Shapes: T tokens, H heads, hd head dim, W window, E entries visible to the longe
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rackserve.config import CSA, ModelConfig
+from rackserve.kernels import dispatch
+from rackserve.kernels.indexer import top_entries
+from rackserve.kernels.mhc import unweighted_rms_norm
 from rackserve.model.batch import CompressPlan, ForwardBatch
-from rackserve.model.layers import RMSNorm, unweighted_rms_norm
+from rackserve.model.layers import RMSNorm
 from rackserve.model.rope import Rotary, apply_rope
 
 
@@ -50,18 +52,7 @@ class Compressor(nn.Module):
         rows = torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)  # [T, 2·width]
         if plan.entry_dst.numel():
             src = plan.new_entries.gather(ring, rows)  # [E_new, K, 2·width]
-            kv, gate = src.chunk(2, dim=-1)
-            if self.overlap:
-                d, m = self.dim, self.rate
-                kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
-                gate = torch.cat([gate[:, :m, :d] + self.position_bias[:, :d],
-                                  gate[:, m:, d:] + self.position_bias[:, d:]], dim=1)
-            else:
-                gate = gate + self.position_bias
-            # window -1 of entry 0 does not exist: zero weight
-            gate = gate.masked_fill(~plan.new_entries.valid.unsqueeze(-1), float("-inf"))
-            weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-            pooled = self.kv_norm((kv * weights).sum(dim=1))
+            pooled = self.kv_norm(dispatch.compress_pool(src, plan.new_entries.valid, self.position_bias, self.overlap))
             cos, sin = rotary.cos_sin(plan.entry_pos, pooled.dtype)
             entries.flatten(0, 1).index_copy_(0, plan.entry_dst, apply_rope(pooled, cos, sin).to(entries.dtype))
         plan.ring_write.apply(ring, rows)
@@ -88,20 +79,16 @@ class Indexer(Compressor):
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
                keys: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k complete entries of each token: (entry slot `[T, k]` into `plan.visible_row`,
-        valid `[T, k]`). Ties keep the lowest entry index (a stable sort), so selection is
-        deterministic whatever the batch. keys `[P, per_page, ihd]`.
+        valid `[T, k]`). Ties keep the lowest entry index, so selection is deterministic whatever
+        the batch. keys `[P, per_page, ihd]`.
         """
         t = x.shape[0]
         q = self.q_b_proj(q_residual).view(t, self.heads, self.dim)
         cos, sin = rotary.cos_sin(positions, q.dtype)
         q = apply_rope(q, cos, sin)
-        k = keys.flatten(0, 1)[plan.visible_row]  # [T, E, ihd]
-        scores = F.relu(torch.einsum("thd,ted->the", q.float(), k.float())) * self.dim**-0.5
         head_w = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [T, H]
-        score = torch.einsum("the,th->te", scores, head_w)
-        score = score.masked_fill(~plan.visible, float("-inf"))
-        order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, : self.topk]
-        return order, plan.visible.gather(1, order)
+        scores = dispatch.indexer_scores(q, keys.flatten(0, 1), plan.visible_row, plan.visible, head_w)
+        return top_entries(scores, self.topk)
 
 
 class CSACompressor(Compressor):
@@ -144,32 +131,26 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, hd], K = V
 
-        keys = batch.swa.gather(state.swa[layer], kv)  # [T, W, hd]
-        valid = batch.swa.valid
-        batch.swa_write.apply(state.swa[layer], kv)
+        ring = state.swa[layer]
+        sources = [ring.flatten(0, 1), kv]  # keys are rows of [window rings ; new rows ; entries]
+        rows, valid = batch.swa.rows, batch.swa.valid
         if self.compressor is not None:
             plan = batch.plans[self.kind]
             self.compressor.update(x, plan, state.ring[layer], state.entries[layer], rotary)
-            rows, seen = plan.visible_row, plan.visible
+            entry_rows, seen = plan.visible_row, plan.visible
             if self.kind == CSA:
                 indexer = self.compressor.indexer
                 indexer.update(x, plan, state.index_ring[layer], state.index_keys[layer], rotary)
                 chosen, seen = indexer.select(x, q_residual, batch.positions, plan, state.index_keys[layer], rotary)
-                rows = rows.gather(1, chosen)
-            keys = torch.cat([keys, state.entries[layer].flatten(0, 1)[rows]], dim=1)
+                entry_rows = entry_rows.gather(1, chosen)
+            sources.append(state.entries[layer].flatten(0, 1))
+            rows = torch.cat([rows, entry_rows + ring.shape[0] * ring.shape[1] + t], dim=1)
             valid = torch.cat([valid, seen], dim=1)
+        out = dispatch.sink_attention(q, sources, rows, valid, self.sinks, self.head_dim**-0.5)
+        # the window is read above; only now may this step's rows overwrite it
+        batch.swa_write.apply(ring, kv)
 
-        out = self._attend(q, keys, valid)
         out = apply_rope(out, cos, sin, inverse=True)  # undo the keys' rotation carried by V
         grouped = out.reshape(t, self.groups, -1)
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
         return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Softmax attention with a per-head sink logit. q `[T, H, hd]`, keys `[T, K, hd]` (= values),
-        valid `[T, K]` -> `[T, H, hd]`. The softmax runs in fp32 whatever the model dtype."""
-        logits = torch.einsum("thd,tkd->thk", q, keys).float() * self.head_dim**-0.5
-        logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
-        sinks = self.sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("thk,tkd->thd", probs.to(keys.dtype), keys)

@@ -4,9 +4,9 @@ Everything here is index arithmetic done once per forward and shared by all laye
 per-layer code only gathers and scatters. T = new tokens in the batch, R = requests.
 
 Positions of a request that are older than this step live in its slot's rings (row =
-`slot · ring_len + position % ring_len`); positions from this step are rows of the step's new
-tensors (row = `token offset of the request + position - start`). `RingGather` says, for a grid
-of positions, where each one is.
+`slot · ring_len + position % ring_len` of the flattened ring); positions from this step are rows
+of the step's new tensors (row = `token offset of the request + position - start`). `RingGather`
+addresses a grid of positions as rows of the virtual concatenation [flattened ring, new rows].
 """
 
 from __future__ import annotations
@@ -17,23 +17,20 @@ from dataclasses import dataclass
 import torch
 
 from rackserve.config import CSA, ModelConfig
+from rackserve.kernels.attention import gather_rows
 from rackserve.model.state import ModelState, RequestState, ring_len
 
 
 @dataclass
 class RingGather:
-    """Where each position of a `[N, K]` grid is: a ring row or a new row; invalid if < 0."""
+    """A `[N, K]` grid of positions as rows of [ring.view(S·L, C) ; new `[T, C]`]; invalid if < 0."""
 
-    ring_row: torch.Tensor  # [N, K] long, row of ring.view(S * L, C)
-    new_row: torch.Tensor  # [N, K] long, row of this step's new tensor [T, C]
-    from_new: torch.Tensor  # [N, K] bool
+    rows: torch.Tensor  # [N, K] long
     valid: torch.Tensor  # [N, K] bool
 
     def gather(self, ring: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """ring `[S, L, C]`, new `[T, C]` -> `[N, K, C]`, zeros where invalid."""
-        old = ring.flatten(0, 1)[self.ring_row]
-        fresh = new[self.new_row]
-        out = torch.where(self.from_new.unsqueeze(-1), fresh, old)
+        out = gather_rows((ring.flatten(0, 1), new), self.rows)
         return out.masked_fill(~self.valid.unsqueeze(-1), 0)
 
 
@@ -112,7 +109,7 @@ class ForwardBatch:
         offsets = torch.cumsum(lens, 0) - lens  # first token row of each request
         req = torch.repeat_interleave(torch.arange(len(requests)), lens)  # [T]
         positions = starts[req] + torch.arange(len(input_ids)) - offsets[req]
-        geo = _Geometry(req, starts, ends, offsets, slots, positions)
+        geo = _Geometry(req, starts, ends, offsets, slots, positions, state.num_slots)
 
         w = config.sliding_window
         swa = geo.ring_gather(positions[:, None] - (w - 1) + torch.arange(w), req, w)
@@ -148,14 +145,14 @@ class _Geometry:
     offsets: torch.Tensor  # [R] first token row of each request
     slots: torch.Tensor  # [R]
     positions: torch.Tensor  # [T]
+    num_slots: int
 
     def ring_gather(self, pos: torch.Tensor, owner: torch.Tensor, length: int) -> RingGather:
         """Locate positions `pos [N, K]` of requests `owner [N]` in rings of `length` rows."""
         start = self.starts[owner][:, None]
-        from_new = pos >= start
-        new_row = torch.where(from_new, self.offsets[owner][:, None] + pos - start, 0)
+        new_row = self.num_slots * length + self.offsets[owner][:, None] + pos - start
         ring_row = self.slots[owner][:, None] * length + pos.clamp(min=0) % length
-        return RingGather(ring_row, new_row, from_new, pos >= 0)
+        return RingGather(torch.where(pos >= start, new_row, ring_row), pos >= 0)
 
     def ring_write(self, length: int) -> RingWrite:
         """Write the last `length` new positions of each request into its ring."""

@@ -6,8 +6,9 @@ Shapes: T = tokens in the ragged batch, N = `hc_mult` residual streams, D = hidd
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from rackserve.kernels import dispatch
 
 
 class RMSNorm(nn.Module):
@@ -22,11 +23,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * h).to(x.dtype)
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm without a weight over the last axis (per-head query norm, mHC input norm)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class HyperConnection(nn.Module):
@@ -47,28 +43,12 @@ class HyperConnection(nn.Module):
 
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams `[T, N, D]` -> (post `[T, N]`, comb `[T, N, N]`, block input `[T, D]`)."""
-        n, eps = self.n, self.hc_eps
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mix = F.linear(flat, self.fn.float())
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        # in place: on [T, N, N] matrices the cost is per-op overhead, not arithmetic
-        for _ in range(self.iters - 1):
-            comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
-            comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return dispatch.mhc_pre(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
 
     @staticmethod
     def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """New streams `[T, N, D]` = post ⊗ block output + combᵀ · old streams."""
-        dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return dispatch.mhc_post(streams, out, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -82,7 +62,4 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return dispatch.mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)

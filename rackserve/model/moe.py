@@ -11,11 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rackserve.config import HASH_MOE, ModelConfig
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """Clamped SwiGLU: silu(min(gate, limit)) · clamp(up, ±limit)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+from rackserve.kernels import dispatch
+from rackserve.kernels.moe import swiglu
 
 
 class Router(nn.Module):
@@ -38,19 +35,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[T, D]`, input_ids `[T]` -> (expert ids `[T, k]` long, weights `[T, k]`)."""
         logits = F.linear(x, self.weight)
-        if self.scoring == "sqrtsoftplus":
-            scores = F.softplus(logits).sqrt()
-        elif self.scoring == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits.softmax(dim=-1, dtype=torch.float32)
         if self.hashed:
-            ids = self.tid2eid[input_ids].long()
-        else:
-            ids = torch.topk(scores + self.e_score_correction_bias, self.k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scale
+            return dispatch.route(logits, self.k, self.scoring, self.scale, hash_ids=self.tid2eid[input_ids])
+        return dispatch.route(logits, self.k, self.scoring, self.scale, bias=self.e_score_correction_bias)
 
 
 class Experts(nn.Module):
@@ -65,16 +52,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x `[T, D]`, ids/weights `[T, k]` -> Σ_k weight · expert(x) `[T, D]`."""
-        flat_ids = ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        token = order // ids.shape[1]
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0])
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        h = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets)
-        gate, up = h.chunk(2, dim=-1)
-        out = torch._grouped_mm(swiglu(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offsets)
-        out = out * weights.flatten()[order, None].to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, token, out)
+        return dispatch.moe_ffn(x, ids, weights, self.gate_up_proj, self.down_proj, self.limit)
 
 
 class SharedExpert(nn.Module):

@@ -1,0 +1,70 @@
+"""The one door from the model to the kernels: each op runs as Triton on CUDA, as torch elsewhere.
+
+`RACKSERVE_KERNELS` forces a backend: `torch` everywhere, or `triton` everywhere (on CPU that needs
+`TRITON_INTERPRET=1`, the Triton interpreter, which is how the kernels are tested without a GPU).
+The default, `auto`, picks by the device of the op's first tensor. Ops without a Triton kernel yet
+run their torch reference on every backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+
+import torch
+
+ENV = "RACKSERVE_KERNELS"
+BACKENDS = ("auto", "torch", "triton")
+
+# op name -> module under rackserve.kernels; the module defines `<op>_torch` and, when it has a
+# kernel, `<op>_triton` with the same signature.
+OPS = {
+    "mhc_pre": "mhc",
+    "mhc_post": "mhc",
+    "mhc_head": "mhc",
+    "route": "routing",
+    "moe_ffn": "moe",
+    "sink_attention": "attention",
+    "compress_pool": "compressor",
+    "indexer_scores": "indexer",
+}
+
+
+def backend(device: torch.device) -> str:
+    """The backend ops on `device` use now: "triton" or "torch"."""
+    choice = os.environ.get(ENV, "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"{ENV}={choice!r} is not a kernel backend; use one of {BACKENDS}")
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{ENV}=triton on {device.type} needs TRITON_INTERPRET=1 (the Triton interpreter)")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return choice
+
+
+def implementation(op: str, device: torch.device) -> Callable:
+    """The function that runs `op` on `device`."""
+    module = importlib.import_module(f"rackserve.kernels.{OPS[op]}")
+    if backend(device) == "triton" and hasattr(module, f"{op}_triton"):
+        return getattr(module, f"{op}_triton")
+    return getattr(module, f"{op}_torch")
+
+
+def _op(name: str) -> Callable:
+    def run(first: torch.Tensor, *args, **kwargs):
+        return implementation(name, first.device)(first, *args, **kwargs)
+
+    run.__name__ = name
+    run.__doc__ = f"`{name}` on the backend for the first argument's device; see rackserve.kernels.{OPS[name]}."
+    return run
+
+
+mhc_pre = _op("mhc_pre")
+mhc_post = _op("mhc_post")
+mhc_head = _op("mhc_head")
+route = _op("route")
+moe_ffn = _op("moe_ffn")
+sink_attention = _op("sink_attention")
+compress_pool = _op("compress_pool")
+indexer_scores = _op("indexer_scores")
