@@ -174,6 +174,8 @@ def test_bad_input_is_rejected_with_the_fix_and_others_keep_going(checkpoint):
         llm.engine.add_request([1, 2, 600])
     with pytest.raises(RequestError, match="empty"):
         llm.engine.add_request([])
+    with pytest.raises(RequestError, match="already in use"):
+        llm.engine.add_request("x", request_id=ok.request_id)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="max_tokens"):

@@ -49,6 +49,8 @@ class Engine:
                     request_id: str | None = None) -> Request:
         """Queue a request (text needs a tokenizer); raises `RequestError` for input it cannot serve."""
         params = params or SamplingParams()
+        if request_id is not None and self.scheduler.find(request_id) is not None:
+            raise RequestError(f"request id {request_id!r} is already in use; ids must be unique while running")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer.json; send token ids instead of text")

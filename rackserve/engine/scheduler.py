@@ -62,15 +62,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def find(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, if any."""
+        return next((r for q in (self.running, self.waiting) for r in q if r.request_id == request_id), None)
+
     def abort(self, request_id: str) -> Request | None:
         """Stop a request wherever it is and free its state; None if it is not here."""
-        for queue in (self.running, self.waiting):
-            for req in queue:
-                if req.request_id == request_id:
-                    queue.remove(req)
-                    self._finish(req, "abort")
-                    return req
-        return None
+        req = self.find(request_id)
+        if req is not None:
+            (self.running if req.status is Status.RUNNING else self.waiting).remove(req)
+            self._finish(req, "abort")
+        return req
 
     # ---- schedule ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
