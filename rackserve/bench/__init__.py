@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, sweeps and micro-benchmarks against what users would otherwise use."""
