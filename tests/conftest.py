@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import pytest
 import torch
 
-from rackserve.config import CSA, HCA, SLIDING
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run under the interpreter, which triton picks once, when it is
+    # first imported: switch it on before anything imports triton (auto dispatch still uses torch).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from rackserve.config import CSA, HCA, SLIDING  # noqa: E402
 from rackserve.engine.state_cache import CacheHandle, StateCache
 from rackserve.model import ForwardBatch, load_model
 from rackserve.model.tiny import make_tiny

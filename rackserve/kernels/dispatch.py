@@ -28,6 +28,10 @@ OPS = {
     "sink_attention": "attention",
     "compress_pool": "compressor",
     "indexer_scores": "indexer",
+    "quantize_fp8": "quant",
+    "dequantize_fp8": "quant",
+    "quantize_fp4": "quant",
+    "dequantize_fp4": "quant",
 }
 
 
@@ -68,3 +72,7 @@ moe_ffn = _op("moe_ffn")
 sink_attention = _op("sink_attention")
 compress_pool = _op("compress_pool")
 indexer_scores = _op("indexer_scores")
+quantize_fp8 = _op("quantize_fp8")
+dequantize_fp8 = _op("dequantize_fp8")
+quantize_fp4 = _op("quantize_fp4")
+dequantize_fp4 = _op("dequantize_fp4")

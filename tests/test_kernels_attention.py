@@ -1,0 +1,130 @@
+"""The attention-side Triton kernels against their torch references, under the Triton interpreter.
+
+sink_attention, compress_pool and indexer_scores each run on fresh random inputs of several
+shapes (ragged rows into 2 or 3 sources, empty sources, keys past a block edge, invalid rows) and
+are compared with the `_torch` reference on the same inputs. Tolerances, scaled by the largest
+reference magnitude `mag = max(1, |ref|.max())`:
+
+- fp32: atol = rtol = 1e-5 · mag. Only the summation order differs (observed ≤ 1e-6).
+- bf16, sink_attention and compress_pool: atol = rtol = 2e-2 · mag, about two bf16 ulps. The
+  kernels round the probabilities / gate weights (and each pooled product) to bf16 where the
+  reference does, with round-to-nearest-even, but accumulate in a different order: sink_attention
+  differs by ≤ 1 ulp, compress_pool matches exactly in practice.
+- indexer_scores: the reference computes in fp32 whatever the input dtype and so does the kernel,
+  so bf16 inputs keep the fp32 tolerance.
+"""
+
+
+import pytest
+import torch
+import triton.language as tl
+
+from rackserve.kernels import dispatch
+from rackserve.kernels.attention import sink_attention_torch, sink_attention_triton
+from rackserve.kernels.compressor import compress_pool_torch, compress_pool_triton
+from rackserve.kernels.indexer import indexer_scores_torch, indexer_scores_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
+    """Same shape and dtype, |out - ref| within tol · max(1, |ref|) elementwise; returns the max error."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(out)) and torch.equal(out[~finite], ref[~finite])
+    out, ref = out[finite].float(), ref[finite].float()
+    mag = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
+    torch.testing.assert_close(out, ref, atol=tol * mag, rtol=tol)
+    return (out - ref).abs().max().item() if ref.numel() else 0.0
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 2e-2
+
+
+# (T, H, d, K, rows of each source): 2 and 3 sources, empty sources first / middle / last,
+# K = 1, below one key block, and across several blocks with a ragged last one.
+ATTENTION_CASES = [
+    (1, 1, 16, 1, (5, 1)),
+    (5, 4, 40, 17, (0, 5, 30)),
+    (19, 6, 64, 70, (40, 19, 0)),
+    (5, 6, 16, 70, (12, 5)),
+    (19, 4, 40, 17, (30, 19, 25)),
+    (1, 4, 64, 70, (100, 1, 8)),
+    (5, 1, 40, 1, (3, 0, 6)),
+]
+
+
+def attention_inputs(t, h, d, k, sizes, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = (2 * torch.randn(h, t, d, generator=g)).to(dtype).transpose(0, 1)  # strided, as a view may be
+    sources = [torch.randn(n, d, generator=g).to(dtype) for n in sizes]
+    rows = torch.randint(0, sum(sizes), (t, k), generator=g)
+    valid = torch.rand(t, k, generator=g) < 0.6
+    valid[:, 0] = True  # the reference always sees at least the query's own key
+    if seed % 2:
+        rows = rows.masked_fill(~valid, -1)  # invalid slots may point nowhere (RingGather's convention)
+    sinks = torch.randn(h, generator=g)
+    return q.to(DEVICE), [s.to(DEVICE) for s in sources], rows.to(DEVICE), valid.to(DEVICE), sinks.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=str)
+def test_sink_attention(case, dtype):
+    t, h, d, k, sizes = case
+    q, sources, rows, valid, sinks = attention_inputs(t, h, d, k, sizes, dtype, seed=ATTENTION_CASES.index(case))
+    out = sink_attention_triton(q, sources, rows, valid, sinks, d**-0.5)
+    assert_close(out, sink_attention_torch(q, sources, rows, valid, sinks, d**-0.5), tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sink_attention_only_own_key(dtype):
+    """Every key invalid but the first (the query's own row): one key against the sink."""
+    q, sources, rows, valid, sinks = attention_inputs(5, 4, 40, 70, (20, 5, 9), dtype, seed=3)
+    valid[:, 1:] = False
+    out = sink_attention_triton(q, sources, rows, valid, sinks, 40**-0.5)
+    assert_close(out, sink_attention_torch(q, sources, rows, valid, sinks, 40**-0.5), tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("overlap", [False, True], ids=["hca", "csa"])
+@pytest.mark.parametrize("rate,d,n", [(4, 16, 9), (8, 24, 1), (4, 24, 1), (8, 16, 9)])
+def test_compress_pool(rate, d, n, overlap, dtype):
+    g = torch.Generator().manual_seed(rate * 100 + d * 10 + n)
+    width = 2 * d if overlap else d
+    k = 2 * rate if overlap else rate
+    src = torch.randn(n, k, 2 * width, generator=g).to(dtype)
+    valid = torch.rand(n, k, generator=g) < 0.7
+    valid[:, -1] = True  # an entry's own window is always there
+    if overlap:
+        valid[0, :rate] = False  # entry 0 has no previous window
+    bias = torch.randn(rate, width, generator=g)
+    src, valid, bias = src.to(DEVICE), valid.to(DEVICE), bias.to(DEVICE)
+    out = compress_pool_triton(src, valid, bias, overlap)
+    assert_close(out, compress_pool_torch(src, valid, bias, overlap), tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("h,d", [(2, 16), (3, 32)])
+@pytest.mark.parametrize("t,e", [(5, 1), (5, 13), (5, 40), (2, 300)])
+def test_indexer_scores(t, e, h, d, dtype):
+    g = torch.Generator().manual_seed(e * 10 + h + d)
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    keys = torch.randn(60, d, generator=g).to(dtype)
+    rows = torch.randint(0, 60, (t, e), generator=g)
+    visible = torch.rand(t, e, generator=g) < 0.7
+    rows = rows.masked_fill(~visible & (torch.rand(t, e, generator=g) < 0.5), -1)
+    head_w = torch.randn(t, h, generator=g)
+    q, keys, rows, visible, head_w = (x.to(DEVICE) for x in (q, keys, rows, visible, head_w))
+    out = indexer_scores_triton(q, keys, rows, visible, head_w)
+    assert_close(out, indexer_scores_torch(q, keys, rows, visible, head_w), 1e-5)
+
+
+def test_dispatch_picks_the_kernels(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    cpu = torch.device("cpu")
+    assert dispatch.implementation("sink_attention", cpu) is sink_attention_triton
+    assert dispatch.implementation("compress_pool", cpu) is compress_pool_triton
+    assert dispatch.implementation("indexer_scores", cpu) is indexer_scores_triton
