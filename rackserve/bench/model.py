@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from rackserve.model import ForwardBatch, ModelState, load_model
+from rackserve.engine.state_cache import StateCache
+from rackserve.model import ForwardBatch, load_model
 from rackserve.model.tiny import ensure_tiny
 
 
@@ -47,24 +48,28 @@ def main(argv: list[str] | None = None) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (b, n), generator=g)
     block = config.min_block_size * 8
-    pages = b * (-(-(n + 2 * args.iters + 2) // block))
+
+    def new_cache(slots: int) -> StateCache:
+        return StateCache(config, block, max_requests=slots, budget_bytes=256 << 20, prefix_caching=False)
+
+    prefill_cache = new_cache(1)
 
     def our_prefill():
-        state = ModelState(config, num_slots=1, num_pages=pages, block_size=block)
-        handle = state.allocate()
-        state.reserve(handle, n)
-        ours(ForwardBatch.build(state, [(handle, ids[0].tolist())]), state)
+        handle = prefill_cache.allocate()
+        prefill_cache.reserve(handle, n)
+        ours(ForwardBatch.build(prefill_cache.state, [(handle, ids[0].tolist())]), prefill_cache.state)
+        prefill_cache.free(handle)
 
     def ref_prefill():
         with torch.no_grad():
             ref(ids[:1])
 
     # decode: b requests with n tokens of history each; every timed step appends one token
-    state = ModelState(config, num_slots=b, num_pages=pages, block_size=block)
-    handles = [state.allocate() for _ in range(b)]
-    for handle, row in zip(handles, ids.tolist()):
-        state.reserve(handle, n)
-        ours(ForwardBatch.build(state, [(handle, row)]), state)
+    state_cache = new_cache(b)
+    handles = [state_cache.allocate() for _ in range(b)]
+    for handle, row in zip(handles, ids.tolist(), strict=True):
+        state_cache.reserve(handle, n)
+        ours(ForwardBatch.build(state_cache.state, [(handle, row)]), state_cache.state)
         handle.num_tokens = n
     with torch.no_grad():
         cache = ref(ids, use_cache=True).cache
@@ -72,8 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     def our_decode():
         for handle in handles:
-            state.reserve(handle, handle.num_tokens + 1)
-        ours(ForwardBatch.build(state, [(h, [int(t)]) for h, t in zip(handles, next_ids[:, 0])]), state)
+            state_cache.reserve(handle, handle.num_tokens + 1)
+        batch = ForwardBatch.build(state_cache.state, [(h, [int(t)]) for h, t in zip(handles, next_ids[:, 0], strict=True)])
+        ours(batch, state_cache.state)
         for handle in handles:
             handle.num_tokens += 1
 

@@ -22,19 +22,17 @@ from rackserve.kernels.triton_utils import dot_dtype, round_to_bf16, tl_dtype
 
 def gather_rows(sources: Sequence[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
     """Rows of the virtual concatenation of `sources` (`[n_i, C]` each): rows `[...]` -> `[..., C]`.
-    Rows past the end read zeros."""
+
+    One gather per source, merged by which source each row falls in; the sources themselves are
+    never concatenated (the entry pages can be most of the state memory).
+    """
     out, base = None, 0
     for src in sources:
         n = src.shape[0]
         if n:
-            local = rows - base
-            inside = (local >= 0) & (local < n)
-            part = src[local.clamp(0, n - 1)]
-            part = part.masked_fill(~inside.unsqueeze(-1), 0)
-            out = part if out is None else out + part
+            part = src[(rows - base).clamp(0, n - 1)]
+            out = part if out is None else torch.where((rows >= base).unsqueeze(-1), part, out)
         base += n
-    if out is None:
-        return torch.zeros(*rows.shape, sources[0].shape[-1], dtype=sources[0].dtype, device=rows.device)
     return out
 
 

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rackserve.kernels.attention import gather_rows
 from rackserve.kernels.triton_utils import dot_dtype
 
 
@@ -19,7 +18,7 @@ def indexer_scores_torch(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor
                          head_w: torch.Tensor) -> torch.Tensor:
     """q `[T, H, d]`, keys `[R, d]`, rows/visible `[T, E]`, head_w `[T, H]` -> scores `[T, E]` fp32,
     -inf where not visible."""
-    k = gather_rows((keys,), rows)
+    k = keys[rows]
     relu = F.relu(torch.einsum("thd,ted->the", q.float(), k.float())) * q.shape[-1] ** -0.5
     score = torch.einsum("the,th->te", relu, head_w.float())
     return score.masked_fill(~visible, float("-inf"))
