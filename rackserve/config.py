@@ -158,10 +158,13 @@ class ModelConfig:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {_DTYPES}")
 
     # ---- derived values ------------------------------------------------------------------
+    def rate(self, kind: str) -> int:
+        """Tokens per compressed entry of a layer kind; 0 for sliding-window-only layers."""
+        return {SLIDING: 0, CSA: self.csa_compress_rate, HCA: self.hca_compress_rate}[kind]
+
     def compress_rate(self, layer: int) -> int:
         """Tokens per compressed entry of `layer`; 0 for a sliding-window-only layer."""
-        kind = self.layer_types[layer]
-        return {SLIDING: 0, CSA: self.csa_compress_rate, HCA: self.hca_compress_rate}[kind]
+        return self.rate(self.layer_types[layer])
 
     @property
     def compress_rates(self) -> tuple[int, ...]:

@@ -22,7 +22,13 @@ import triton.language as tl
 from rackserve.kernels import dispatch
 from rackserve.kernels.attention import sink_attention_torch, sink_attention_triton
 from rackserve.kernels.compressor import compress_pool_torch, compress_pool_triton
-from rackserve.kernels.indexer import indexer_scores_torch, indexer_scores_triton
+from rackserve.kernels.indexer import (
+    indexer_scores_torch,
+    indexer_scores_triton,
+    indexer_topk_torch,
+    indexer_topk_triton,
+    top_entries,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -122,9 +128,30 @@ def test_indexer_scores(t, e, h, d, dtype):
     assert_close(out, indexer_scores_torch(q, keys, rows, visible, head_w), 1e-5)
 
 
+@pytest.mark.parametrize("k", [1, 5, 16, 50])
+@pytest.mark.parametrize("t,e", [(4, 3), (4, 40), (2, 300)])
+def test_indexer_topk_matches_a_stable_sort_with_exact_ties(t, e, k):
+    g = torch.Generator().manual_seed(e * 100 + k)
+    h, d = 3, 16
+    q = torch.randn(t, h, d, generator=g)
+    keys = torch.randn(60, d, generator=g)
+    keys[::4] = 0  # every fourth key scores exactly 0 (or -0.0 under a negative head weight): ties
+    rows = torch.randint(0, 60, (t, e), generator=g)
+    visible = torch.rand(t, e, generator=g) < 0.8
+    head_w = torch.randn(t, h, generator=g)
+    args = tuple(x.to(DEVICE) for x in (q, keys, rows, visible, head_w))
+    order, valid = indexer_topk_triton(*args, k)
+    want_order, want_valid = indexer_topk_torch(*args, k)
+    assert order.shape == (t, min(k, e)) and torch.equal(valid, want_valid)
+    # the same scores ranked the same way: ties by lowest position, -0.0 tying with 0.0
+    same_scores = top_entries(indexer_scores_triton(*args), k)
+    assert torch.equal(order, same_scores[0]) and torch.equal(valid, same_scores[1])
+    assert torch.equal(order[valid], want_order[want_valid])
+
+
 def test_dispatch_picks_the_kernels(monkeypatch):
     monkeypatch.setenv(dispatch.ENV, "triton")
     cpu = torch.device("cpu")
     assert dispatch.implementation("sink_attention", cpu) is sink_attention_triton
     assert dispatch.implementation("compress_pool", cpu) is compress_pool_triton
-    assert dispatch.implementation("indexer_scores", cpu) is indexer_scores_triton
+    assert dispatch.implementation("indexer_topk", cpu) is indexer_topk_triton

@@ -89,9 +89,10 @@ def cases(batch: int, small: bool, device: str, dtype: torch.dtype) -> list[Case
     n_entries = 256 if small else 4096
     iq, ikeys = rnd(t, ih, ihd), rnd(n_entries, ihd)
     irows = torch.arange(n_entries, device=device).repeat(t, 1)
-    out.append(Case("indexer_scores", f"T={t} H={ih} d={ihd} E={n_entries}",
-                    (iq, ikeys, irows, torch.ones_like(irows, dtype=torch.bool), rnd(t, ih, dt=torch.float32)), {},
-                    _nbytes(iq, ikeys) + t * n_entries * 4))
+    topk = 8 if small else 512
+    out.append(Case("indexer_topk", f"T={t} H={ih} d={ihd} E={n_entries} k={topk}",
+                    (iq, ikeys, irows, torch.ones_like(irows, dtype=torch.bool), rnd(t, ih, dt=torch.float32), topk),
+                    {}, _nbytes(iq, ikeys)))
     entries_x = rnd(t * 8, hd, dt=torch.float32)
     for op in ("quantize_fp8", "quantize_fp4"):
         out.append(Case(op, f"rows={t * 8} d={hd} block=64", (entries_x, 64), {},

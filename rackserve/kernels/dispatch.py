@@ -27,7 +27,7 @@ OPS = {
     "moe_ffn": "moe",
     "sink_attention": "attention",
     "compress_pool": "compressor",
-    "indexer_scores": "indexer",
+    "indexer_topk": "indexer",
     "quantize_fp8": "quant",
     "dequantize_fp8": "quant",
     "quantize_fp4": "quant",
@@ -71,7 +71,7 @@ route = _op("route")
 moe_ffn = _op("moe_ffn")
 sink_attention = _op("sink_attention")
 compress_pool = _op("compress_pool")
-indexer_scores = _op("indexer_scores")
+indexer_topk = _op("indexer_topk")
 quantize_fp8 = _op("quantize_fp8")
 dequantize_fp8 = _op("dequantize_fp8")
 quantize_fp4 = _op("quantize_fp4")

@@ -25,30 +25,82 @@ def indexer_scores_torch(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor
 
 
 @triton.jit
+def _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, E, R, r_st, r_se, v_st, v_se, k_r, k_c,
+                 offs_d, mask_d, DOT_DTYPE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Scores of candidates e0 .. e0+BLOCK_E of query t (q `[BLOCK_H, BLOCK_D]`, w `[BLOCK_H]` already
+    scaled): (offsets `[BLOCK_E]`, in range, scores with -inf where not visible)."""
+    offs_e = e0 + tl.arange(0, BLOCK_E)
+    mask_e = offs_e < E
+    row = tl.load(rows_ptr + t * r_st + offs_e * r_se, mask=mask_e, other=-1)
+    seen = (tl.load(visible_ptr + t * v_st + offs_e * v_se, mask=mask_e, other=0) != 0) & mask_e
+    inside = seen & (row >= 0) & (row < R)
+    key = tl.load(keys_ptr + row[:, None] * k_r + offs_d[None, :] * k_c,
+                  mask=inside[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+    s = tl.maximum(tl.dot(q, tl.trans(key), input_precision="ieee"), 0.0)  # [BLOCK_H, BLOCK_E]
+    score = tl.sum(s * w[:, None], axis=0)
+    return offs_e, mask_e, tl.where(seen, score, float("-inf"))
+
+
+@triton.jit
+def _load_query(q_ptr, w_ptr, t, H, D, sm_scale, q_st, q_sh, q_sd, w_st, w_sh,
+                DOT_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Every head's query `[BLOCK_H, BLOCK_D]` and head weight × d^-½ `[BLOCK_H]` of query t."""
+    offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
+    mask_h = offs_h < H
+    q = tl.load(q_ptr + t * q_st + offs_h[:, None] * q_sh + offs_d[None, :] * q_sd,
+                mask=mask_h[:, None] & (offs_d < D)[None, :], other=0.0).to(DOT_DTYPE)
+    w = tl.load(w_ptr + t * w_st + offs_h * w_sh, mask=mask_h, other=0.0).to(tl.float32) * sm_scale
+    return q, w
+
+
+@triton.jit
 def _indexer_scores_kernel(
         q_ptr, keys_ptr, rows_ptr, visible_ptr, w_ptr, out_ptr, H, D, E, R, SPAN, sm_scale,
         q_st, q_sh, q_sd, k_r, k_c, r_st, r_se, v_st, v_se, w_st, w_sh, o_st, o_se,
         DOT_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * SPAN
-    offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
-    mask_h, mask_d = offs_h < H, offs_d < D
+    offs_d = tl.arange(0, BLOCK_D)
     # every head's query once per program, reused for SPAN entries
-    q = tl.load(q_ptr + t * q_st + offs_h[:, None] * q_sh + offs_d[None, :] * q_sd,
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
-    w = tl.load(w_ptr + t * w_st + offs_h * w_sh, mask=mask_h, other=0.0).to(tl.float32) * sm_scale
-
+    q, w = _load_query(q_ptr, w_ptr, t, H, D, sm_scale, q_st, q_sh, q_sd, w_st, w_sh, DOT_DTYPE, BLOCK_H, BLOCK_D)
     for e0 in range(start, tl.minimum(start + SPAN, E), BLOCK_E):
-        offs_e = e0 + tl.arange(0, BLOCK_E)
-        mask_e = offs_e < E
-        row = tl.load(rows_ptr + t * r_st + offs_e * r_se, mask=mask_e, other=-1)
-        seen = (tl.load(visible_ptr + t * v_st + offs_e * v_se, mask=mask_e, other=0) != 0) & mask_e
-        inside = seen & (row >= 0) & (row < R)
-        key = tl.load(keys_ptr + row[:, None] * k_r + offs_d[None, :] * k_c,
-                      mask=inside[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
-        s = tl.maximum(tl.dot(q, tl.trans(key), input_precision="ieee"), 0.0)  # [BLOCK_H, BLOCK_E]
-        score = tl.sum(s * w[:, None], axis=0)
-        tl.store(out_ptr + t * o_st + offs_e * o_se, tl.where(seen, score, float("-inf")), mask=mask_e)
+        offs_e, mask_e, score = _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, E, R, r_st, r_se, v_st,
+                                             v_se, k_r, k_c, offs_d, offs_d < D, DOT_DTYPE, BLOCK_E)
+        tl.store(out_ptr + t * o_st + offs_e * o_se, score, mask=mask_e)
+
+
+@triton.jit
+def _indexer_topk_kernel(
+        q_ptr, keys_ptr, rows_ptr, visible_ptr, w_ptr, order_ptr, valid_ptr, H, D, E, R, K, sm_scale,
+        q_st, q_sh, q_sd, k_r, k_c, r_st, r_se, v_st, v_se, w_st, w_sh,
+        DOT_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per query: scores BLOCK_K candidates at a time and keeps a running top-BLOCK_K.
+
+    Each candidate becomes one int64 key, (order-preserving bits of its score) << 32 | (2³¹−1 − e),
+    so a descending top-k is by score, then lowest index: the same order as a stable sort.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    q, w = _load_query(q_ptr, w_ptr, t, H, D, sm_scale, q_st, q_sh, q_sd, w_st, w_sh, DOT_DTYPE, BLOCK_H, BLOCK_D)
+    lowest = -9223372036854775807 - 1
+    best = tl.full([BLOCK_K], lowest, tl.int64)
+    for e0 in range(0, E, BLOCK_K):
+        offs_e, mask_e, score = _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, E, R, r_st, r_se, v_st,
+                                             v_se, k_r, k_c, offs_d, offs_d < D, DOT_DTYPE, BLOCK_K)
+        bits = (score + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into 0.0: they tie
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        key = tl.where(mask_e, (ordered << 32) | (0x7FFFFFFF - offs_e).to(tl.int64), lowest)
+        best = tl.topk(tl.join(best, key).reshape([2 * BLOCK_K]), BLOCK_K)
+    ranks = tl.arange(0, BLOCK_K)
+    bits = (best >> 32).to(tl.int32)
+    valid = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True) > float("-inf")
+    tl.store(order_ptr + t * K + ranks, 0x7FFFFFFF - (best & 0xFFFFFFFF), mask=ranks < K)
+    tl.store(valid_ptr + t * K + ranks, valid.to(tl.int8), mask=ranks < K)
+
+
+def _dot(q: torch.Tensor, keys: torch.Tensor):
+    # the dot takes one operand dtype: mixed inputs meet in fp32, which loses nothing
+    return dot_dtype(q) if q.dtype == keys.dtype else tl.float32
 
 
 def indexer_scores_triton(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
@@ -57,26 +109,51 @@ def indexer_scores_triton(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tenso
 
     One program per (query, span of entries) loads the query's heads and weights once, then walks
     its span BLOCK_E entries at a time: gather the key rows, one `tl.dot` for all heads, ReLU and
-    the weighted sum over heads, all in fp32 accumulation. The top-k choice stays in torch
-    (`top_entries`, a stable sort); fusing it (a per-query running top-k) is a follow-up that pays
-    off only when E is large.
+    the weighted sum over heads, all in fp32 accumulation.
     """
     t, h, d = q.shape
     e = rows.shape[1]
     out = torch.empty(t, e, dtype=torch.float32, device=q.device)
     if t == 0 or e == 0:
         return out
-    # the dot takes one operand dtype: mixed inputs meet in fp32, which loses nothing
-    dot = dot_dtype(q) if q.dtype == keys.dtype else tl.float32
     block_e = 32
     span = 4 * block_e
     visible = visible.view(torch.uint8)
     _indexer_scores_kernel[(t, triton.cdiv(e, span))](
         q, keys, rows, visible, head_w, out, h, d, e, keys.shape[0], span, d**-0.5,
         *q.stride(), *keys.stride(), *rows.stride(), *visible.stride(), *head_w.stride(), *out.stride(),
-        DOT_DTYPE=dot, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_E=block_e)
+        DOT_DTYPE=_dot(q, keys), BLOCK_H=max(16, triton.next_power_of_2(h)),
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_E=block_e)
     return out
+
+
+def indexer_topk_torch(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
+                       head_w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best candidates of each query: (positions `[T, min(k, E)]` into its E candidates, best
+    first, and whether each is a visible entry). Scores as `indexer_scores_torch`; ties go to the
+    lowest position, so the choice is the same whatever the batch."""
+    return top_entries(indexer_scores_torch(q, keys, rows, visible, head_w), k)
+
+
+def indexer_topk_triton(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
+                        head_w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `indexer_topk_torch`: scores fused with a running top-k, one program per
+    query, so the `[T, E]` scores never reach memory (E grows with the context: 25K entries at
+    100K tokens)."""
+    t, h, d = q.shape
+    e = rows.shape[1]
+    k = min(k, e)
+    order = torch.empty(t, k, dtype=torch.int64, device=q.device)
+    valid = torch.empty(t, k, dtype=torch.bool, device=q.device)
+    if t == 0 or k == 0:
+        return order, valid
+    visible = visible.view(torch.uint8)
+    _indexer_topk_kernel[(t,)](
+        q, keys, rows, visible, head_w, order, valid.view(torch.int8), h, d, e, keys.shape[0], k, d**-0.5,
+        *q.stride(), *keys.stride(), *rows.stride(), *visible.stride(), *head_w.stride(),
+        DOT_DTYPE=_dot(q, keys), BLOCK_H=max(16, triton.next_power_of_2(h)),
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_K=max(16, triton.next_power_of_2(k)))
+    return order, valid
 
 
 def top_entries(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

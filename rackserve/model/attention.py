@@ -14,7 +14,6 @@ from torch import nn
 
 from rackserve.config import CSA, ModelConfig
 from rackserve.kernels import dispatch
-from rackserve.kernels.indexer import top_entries
 from rackserve.kernels.mhc import unweighted_rms_norm
 from rackserve.model.batch import CompressPlan, ForwardBatch
 from rackserve.model.layers import RMSNorm
@@ -87,8 +86,7 @@ class Indexer(Compressor):
         cos, sin = rotary.cos_sin(positions, q.dtype)
         q = apply_rope(q, cos, sin)
         head_w = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [T, H]
-        scores = dispatch.indexer_scores(q, keys.flatten(0, 1), plan.visible_row, plan.visible, head_w)
-        return top_entries(scores, self.topk)
+        return dispatch.indexer_topk(q, keys.flatten(0, 1), plan.visible_row, plan.visible, head_w, self.topk)
 
 
 class CSACompressor(Compressor):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rackserve.config import CSA, ModelConfig
+from rackserve.config import CSA, SLIDING, ModelConfig
 from rackserve.kernels.attention import gather_rows
 from rackserve.model.state import ModelState, RequestState, ring_len
 
@@ -114,8 +114,8 @@ class ForwardBatch:
         w = config.sliding_window
         swa = geo.ring_gather(positions[:, None] - (w - 1) + torch.arange(w), req, w)
         plans = {}
-        for kind in sorted(set(config.layer_types) - {"sliding_attention"}):
-            rate = config.csa_compress_rate if kind == CSA else config.hca_compress_rate
+        for kind in sorted(set(config.layer_types) - {SLIDING}):
+            rate = config.rate(kind)
             plans[kind] = geo.compress_plan(kind, rate, state.block_size // rate, page_table)
 
         logits_rows = torch.arange(len(input_ids)) if all_logits else offsets + lens - 1
