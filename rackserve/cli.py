@@ -33,6 +33,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
+
+    groups = tuple([InstanceGroup.parse(g, "prefill") for g in args.prefill or ()]
+                   + [InstanceGroup.parse(g, "decode") for g in args.decode or ()])
+    result = plan(Topology.from_yaml(args.topology),
+                  PlacementSpec(groups, kv_stores=args.kv_stores, spread=args.spread))
+    print(result.table())
+    if args.png:
+        from rackserve.placement.draw import draw
+
+        print(f"wrote {draw(result, args.png)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rackserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_generate)
+
+    pl = sub.add_parser("plan", help="place prefill/decode instances on racks and print the plan")
+    pl.add_argument("--topology", required=True, help="topology file, e.g. deploy/topology/gb300-nvl72x4.yaml")
+    pl.add_argument("--prefill", action="append", help="prefill instances, e.g. 8xDEP2 (repeatable)")
+    pl.add_argument("--decode", action="append", help="decode instances, e.g. 3xDEP32 or 2xAFD8+16 (repeatable)")
+    pl.add_argument("--kv-stores", default="per_tray", choices=("per_tray", "per_rack", "none"),
+                    help="KV-store actors: one per tray in use (default), one per rack in use, or none")
+    pl.add_argument("--spread", action="store_true", help="spread each role's instances across racks")
+    pl.add_argument("--png", help="also draw the plan to this PNG file (needs matplotlib)")
+    pl.set_defaults(func=_plan)
     return parser
 
 

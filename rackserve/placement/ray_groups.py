@@ -1,0 +1,81 @@
+"""A `Plan` on a Ray cluster: one placement group per instance, bundles pinned by node labels.
+
+    pgs = placement_groups(plan)                  # {instance name: PlacementGroup}
+    wait_ready(pgs, timeout_s=120)
+    strategy = PlacementGroupSchedulingStrategy(pgs[inst.name], placement_group_bundle_index=rank)
+    KVStore.options(**kv_store_options(plan.kv_stores[0])).remote(...)
+
+Each instance gets one bundle per GPU (DP ranks, then expert ranks in afd mode, as
+`Instance.all_gpus`), each with a bundle label selector `rackserve.io/rack=R, rackserve.io/tray=T`
+naming the tray the plan chose. The selectors do the placing, so the group's strategy is PACK:
+STRICT_PACK would demand one node, and an instance of more than one tray spans several nodes
+(NVL72: a tray is a node of 4 GPUs). Ray then picks the GPU inside the node.
+
+This is the only module of rackserve.placement that imports Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from rackserve.placement.planner import Instance, KVStore, Plan
+from rackserve.placement.topology import RACK_LABEL, TRAY_LABEL, Topology
+
+
+def label_selector(rack: str, tray: str) -> dict[str, str]:
+    """The node labels of one tray, as a Ray label selector."""
+    return {RACK_LABEL: rack, TRAY_LABEL: tray}
+
+
+def bundles(inst: Instance, resources: Mapping[str, float] | None = None) -> tuple[list[dict], list[dict]]:
+    """(bundles, bundle label selectors) of one instance, one of each per GPU in `inst.all_gpus`.
+
+    resources: what one bundle reserves, default {"GPU": 1}; tests on machines without GPUs may
+    name a custom logical resource instead, or add CPUs for the rank actors.
+    """
+    per_gpu = dict(resources or {"GPU": 1.0})
+    return ([dict(per_gpu) for _ in inst.all_gpus],
+            [label_selector(g.rack, g.tray) for g in inst.all_gpus])
+
+
+def placement_groups(plan: Plan, resources: Mapping[str, float] | None = None,
+                     name_prefix: str = "rackserve") -> dict[str, PlacementGroup]:
+    """Create (asynchronously) one placement group per instance of `plan`, named
+    `<name_prefix>-<instance name>`; returns them by instance name. Wait with `wait_ready`."""
+    groups = {}
+    for inst in plan.instances:
+        bs, selectors = bundles(inst, resources)
+        groups[inst.name] = placement_group(bs, strategy="PACK", name=f"{name_prefix}-{inst.name}",
+                                            bundle_label_selector=selectors)
+    return groups
+
+
+def wait_ready(groups: Mapping[str, PlacementGroup], timeout_s: float = 120.0) -> None:
+    """Block until every group is placed; raise TimeoutError naming the groups that are not."""
+    refs = {pg.ready(): name for name, pg in groups.items()}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    missing = sorted(set(refs.values()) - {refs[r] for r in ready})
+    if missing:
+        raise TimeoutError(f"placement groups not ready after {timeout_s:.0f} s: {missing}; check that the "
+                           f"cluster has alive nodes labelled {RACK_LABEL}=<rack>, {TRAY_LABEL}=<tray> for "
+                           "every tray in the plan, with enough free resources (compare "
+                           "`topology_from_ray()` with the plan's topology)")
+
+
+def remove(groups: Mapping[str, PlacementGroup]) -> None:
+    """Remove the placement groups (their actors are killed by Ray)."""
+    for pg in groups.values():
+        remove_placement_group(pg)
+
+
+def kv_store_options(store: KVStore, num_cpus: float = 1.0) -> dict:
+    """`.options(...)` for a KV-store actor: pinned to its tray by label, using no GPU."""
+    return {"num_cpus": num_cpus, "num_gpus": 0, "label_selector": label_selector(store.rack, store.tray)}
+
+
+def topology_from_ray(resource: str = "GPU") -> Topology:
+    """The connected Ray cluster's topology, from its nodes' rack/tray labels (see Topology.from_nodes)."""
+    return Topology.from_nodes(ray.nodes(), resource=resource)
