@@ -76,21 +76,26 @@ def attention_inputs(t, h, d, k, sizes, dtype, seed):
     return q.to(DEVICE), [s.to(DEVICE) for s in sources], rows.to(DEVICE), valid.to(DEVICE), sinks.to(DEVICE)
 
 
+# splits: None = the launcher's choice (one program per query here), 3 = keys split over three
+# programs and merged (the decode shape, flash-decoding)
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto", "split3"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=str)
-def test_sink_attention(case, dtype):
+def test_sink_attention(case, dtype, splits):
     t, h, d, k, sizes = case
     q, sources, rows, valid, sinks = attention_inputs(t, h, d, k, sizes, dtype, seed=ATTENTION_CASES.index(case))
-    out = sink_attention_triton(q, sources, rows, valid, sinks, d**-0.5)
+    out = sink_attention_triton(q, sources, rows, valid, sinks, d**-0.5, splits=splits)
     assert_close(out, sink_attention_torch(q, sources, rows, valid, sinks, d**-0.5), tolerance(dtype))
 
 
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto", "split3"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_sink_attention_only_own_key(dtype):
-    """Every key invalid but the first (the query's own row): one key against the sink."""
+def test_sink_attention_only_own_key(dtype, splits):
+    """Every key invalid but the first (the query's own row): one key against the sink; split,
+    the other programs see no valid key at all."""
     q, sources, rows, valid, sinks = attention_inputs(5, 4, 40, 70, (20, 5, 9), dtype, seed=3)
     valid[:, 1:] = False
-    out = sink_attention_triton(q, sources, rows, valid, sinks, 40**-0.5)
+    out = sink_attention_triton(q, sources, rows, valid, sinks, 40**-0.5, splits=splits)
     assert_close(out, sink_attention_torch(q, sources, rows, valid, sinks, 40**-0.5), tolerance(dtype))
 
 
