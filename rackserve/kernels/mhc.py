@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rackserve.kernels.triton_utils import emulate_rne_bf16
+from rackserve.kernels.triton_utils import emulate_rne_bf16, round_to_bf16
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -125,8 +125,7 @@ def _mhc_weights_kernel(streams_ptr, fn_ptr, base_ptr, scale_ptr, post_ptr, comb
         x = tl.load(x_row + n[:, None] * D + d[None, :], mask=md[None, :], other=0.0).to(tl.float32)
         out = tl.sum(pre[:, None] * x, axis=0)
         if RNE_BF16:  # interpreter only: its fp32 -> bf16 cast truncates, a GPU's rounds to nearest even
-            bits = out.to(tl.uint32, bitcast=True)
-            out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            out = round_to_bf16(out)
         tl.store(collapsed_ptr + t * D + d, out.to(collapsed_ptr.dtype.element_ty), mask=md)
 
 
@@ -145,8 +144,7 @@ def _mhc_post_kernel(streams_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, D,
     comb = tl.load(comb_ptr + t * N * N + n[:, None] * N + n[None, :]).to(tl.float32)  # [m, n]
     new = post[:, None] * out[None, :] + tl.sum(comb[:, :, None] * x[:, None, :], axis=0)
     if RNE_BF16:  # interpreter only: its fp32 -> bf16 cast truncates, a GPU's rounds to nearest even
-        bits = new.to(tl.uint32, bitcast=True)
-        new = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        new = round_to_bf16(new)
     tl.store(new_ptr + tile, new.to(new_ptr.dtype.element_ty), mask=md[None, :])
 
 

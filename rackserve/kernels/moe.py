@@ -54,19 +54,26 @@ def moe_ffn_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
 
 
 @triton.jit
+def _tile(sched_ptr, num_tiles, BLOCK_M: tl.constexpr):
+    """This program's tile of the schedule: (expert, or -1 for an unused tile; its rows [BLOCK_M]
+    into the expert-sorted pairs; which of them are real)."""
+    tile = tl.program_id(0)
+    row_start = tl.load(sched_ptr + num_tiles + tile)
+    row_end = tl.load(sched_ptr + 2 * num_tiles + tile)
+    expert = tl.where(row_start < row_end, tl.load(sched_ptr + tile).to(tl.int64), -1)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    return expert, rows, rows < row_end
+
+
+@triton.jit
 def _gate_up_swiglu_kernel(x_ptr, w_ptr, h_ptr, token_ptr, sched_ptr, num_tiles, D, I, limit,
                            stride_xt, stride_xd, stride_we, stride_wn, stride_wd, stride_ht, stride_hi,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[rows, n-block] = swiglu(x[token[rows]] · gate_e^T, x[token[rows]] · up_e^T)."""
-    tile = tl.program_id(0)
-    row_start = tl.load(sched_ptr + num_tiles + tile)
-    row_end = tl.load(sched_ptr + 2 * num_tiles + tile)
-    if row_start >= row_end:
+    expert, rows, mask_m = _tile(sched_ptr, num_tiles, BLOCK_M)
+    if expert < 0:
         return
-    expert = tl.load(sched_ptr + tile).to(tl.int64)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    mask_m = rows < row_end
     tokens = tl.load(token_ptr + rows, mask=mask_m, other=0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
@@ -105,14 +112,9 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, pair_ptr, weight_ptr, sched_ptr, num_til
                  PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[pair[rows], n-block] = weight[pair[rows]] · (h[rows] · down_e^T), one row per pair."""
-    tile = tl.program_id(0)
-    row_start = tl.load(sched_ptr + num_tiles + tile)
-    row_end = tl.load(sched_ptr + 2 * num_tiles + tile)
-    if row_start >= row_end:
+    expert, rows, mask_m = _tile(sched_ptr, num_tiles, BLOCK_M)
+    if expert < 0:
         return
-    expert = tl.load(sched_ptr + tile).to(tl.int64)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    mask_m = rows < row_end
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
     offs_k = tl.arange(0, BLOCK_K)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rackserve.kernels.triton_utils import emulate_rne_bf16
+from rackserve.kernels.triton_utils import emulate_rne_bf16, round_to_bf16
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -152,8 +152,7 @@ def _dequantize_fp8_kernel(q_ptr, scale_ptr, out_ptr, D, G, block,
     mag = tl.where((code & 0x7F) == 0x7F, float("nan"), mag)
     x = tl.where(code >= 0x80, -mag, mag) * scale[:, None]
     if RNE_BF16:  # interpreter only: its fp32 -> bf16 cast truncates, a GPU's rounds to nearest even
-        bits = x.to(tl.uint32, bitcast=True)
-        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        x = round_to_bf16(x)
     tl.store(out_ptr + row * D + col, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -201,8 +200,7 @@ def _dequantize_fp4_kernel(packed_ptr, scale_ptr, out_ptr, D, G, block,
     mag = tl.where(exp == 0, man * 0.5, (2.0 + man) * (1 << exp).to(tl.float32) * 0.25)
     x = tl.where(code >= 8, -mag, mag) * scale[:, None, None]
     if RNE_BF16:  # interpreter only: its fp32 -> bf16 cast truncates, a GPU's rounds to nearest even
-        bits = x.to(tl.uint32, bitcast=True)
-        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        x = round_to_bf16(x)
     col = even[:, :, None] + j[None, None, :]
     mask = (2 * p < block)[None, :, None] & (col < D)
     tl.store(out_ptr + row * D + col, x.to(out_ptr.dtype.element_ty), mask=mask)
