@@ -1,0 +1,96 @@
+"""Expert-parallel transport: send each token to the ranks that hold its experts, bring results back.
+
+A DeepEP-shaped pair over `torch.distributed` all-to-all (Gloo on CPU, NCCL on CUDA):
+
+    recv, handle = ep.dispatch(x, slots, weights)     # on every rank, same step, same layer
+    y = local_experts(recv.x, recv.slots, recv.weights)  # rows for this rank's physical slots
+    out = ep.combine(y, handle)                        # [T, D]: Σ_k weight · expert(x) per token
+
+Physical slots are laid out rank-major: rank r holds slots `r·S … r·S + S - 1` (S slots per rank).
+Which replica of a logical expert a token uses is `choose_slots`'s business (EPLB's log2phy).
+One row travels per (token, expert) pair; deduplicating pairs bound for the same rank (as DeepEP
+does) is a bandwidth optimisation for later.
+Shapes: T tokens on this rank, k experts per token, D hidden, N rows received.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor,
+                 token_index: torch.Tensor) -> torch.Tensor:
+    """Physical slot of each (token, expert) pair: replicas are used round-robin by token.
+
+    ids `[T, k]` logical experts; log2phy `[E, R]` (−1 padded); replica_count `[E]`;
+    token_index `[T]` a per-token counter that spreads tokens over replicas -> slots `[T, k]`.
+    """
+    replica = token_index[:, None] % replica_count[ids]
+    return log2phy[ids, replica]
+
+
+@dataclass
+class Received:
+    """What a rank receives to compute: rows `x [N, D]`, their local slot `[N]` and weight `[N]`."""
+
+    x: torch.Tensor
+    slots: torch.Tensor
+    weights: torch.Tensor
+
+
+@dataclass
+class DispatchHandle:
+    """How to bring results back: the send permutation and the per-rank row counts both ways."""
+
+    order: torch.Tensor  # [T·k] pair index of each sent row, grouped by destination rank
+    send_counts: list[int]
+    recv_counts: list[int]
+    num_tokens: int
+    k: int
+
+
+class ExpertParallel:
+    """The dispatch/combine pair for one process group of `world` ranks × `slots_per_rank` slots."""
+
+    def __init__(self, slots_per_rank: int, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.slots_per_rank = slots_per_rank
+
+    def _exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
+        recv = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv, send_counts, group=self.group)
+        return recv.tolist()
+
+    def dispatch(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> tuple[Received, DispatchHandle]:
+        """x `[T, D]`, slots/weights `[T, k]` (global physical slots) -> rows for this rank's slots."""
+        t, k = slots.shape
+        flat = slots.flatten()
+        dest = flat // self.slots_per_rank
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=self.world)
+        recv_counts = self._exchange_counts(send_counts)
+        send_counts = send_counts.tolist()
+        n = sum(recv_counts)
+        token = order // k
+        recv_x = x.new_empty(n, x.shape[1])
+        dist.all_to_all_single(recv_x, x[token].contiguous(), recv_counts, send_counts, group=self.group)
+        # slot ids and weights travel together as one fp64 tensor (exact for both) to save a round
+        meta = torch.stack([flat[order].double(), weights.flatten()[order].double()], dim=1)
+        recv_meta = meta.new_empty(n, 2)
+        dist.all_to_all_single(recv_meta, meta, recv_counts, send_counts, group=self.group)
+        local = recv_meta[:, 0].long() - self.rank * self.slots_per_rank
+        received = Received(recv_x, local, recv_meta[:, 1].to(weights.dtype))
+        return received, DispatchHandle(order, send_counts, recv_counts, t, k)
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """y `[N, D]` (already weighted) -> `[T, D]`, the sum over each token's k pairs."""
+        back = y.new_empty(len(handle.order), y.shape[1])
+        dist.all_to_all_single(back, y.contiguous(), handle.send_counts, handle.recv_counts, group=self.group)
+        out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+        out.index_add_(0, handle.order // handle.k, back.float())
+        return out.to(y.dtype)
