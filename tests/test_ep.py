@@ -4,24 +4,17 @@ ranks, must come back with the same result as computing all experts locally."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from rackserve.kernels.moe import moe_ffn_torch
-from rackserve.placement import rebalance
-from rackserve.transfer.ep import ExpertParallel, choose_slots
+from rackserve.placement import choose_slots, rebalance
+from rackserve.transfer.ep import ExpertParallel
 
 E, K, D, I, LIMIT = 8, 2, 32, 16, 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(rank: int, world: int, port: int, slots_per_rank: int, results) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from rackserve.config import HASH_MOE, ModelConfig
 from rackserve.kernels import dispatch
 from rackserve.kernels.moe import swiglu
+from rackserve.placement.eplb import Placement, choose_slots
 
 
 class Router(nn.Module):
@@ -69,13 +70,40 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
+    """Router, routed experts and the shared expert. With `shard`, the routed experts are this rank's
+    physical slots only and tokens travel to the ranks that hold their experts (expert parallel)."""
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.gate = Router(config, hashed=config.mlp_layer_types[layer] == HASH_MOE)
         self.experts = Experts(config)
         self.shared_experts = SharedExpert(config)
+        self.ep = None
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """x `[T, D]`, input_ids `[T]` (hash routing reads them) -> `[T, D]`."""
+    def shard(self, ep, phy2log: torch.Tensor) -> None:
+        """Keep only the experts of this rank's physical slots and route through `ep`.
+
+        ep: an expert-parallel transport (`rackserve.transfer.ep.ExpertParallel`: `rank`,
+        `slots_per_rank`, `dispatch`, `combine`); phy2log `[num_slots]`: this layer's logical expert
+        of every physical slot, rank-major (from `rackserve.placement.rebalance`).
+        """
+        placement = Placement.from_phy2log(phy2log[None].cpu(), self.gate.weight.shape[0])
+        device = self.experts.gate_up_proj.device
+        self.register_buffer("log2phy", torch.as_tensor(placement.log2phy)[0].to(device), persistent=False)
+        self.register_buffer("replica_count", torch.as_tensor(placement.replica_count)[0].to(device),
+                             persistent=False)
+        mine = phy2log[ep.rank * ep.slots_per_rank:(ep.rank + 1) * ep.slots_per_rank].to(device)
+        self.experts.gate_up_proj = nn.Parameter(self.experts.gate_up_proj.data[mine].clone(), requires_grad=False)
+        self.experts.down_proj = nn.Parameter(self.experts.down_proj.data[mine].clone(), requires_grad=False)
+        self.ep = ep
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x `[T, D]`, input_ids `[T]` (hash routing reads them), positions `[T]` -> `[T, D]`."""
         ids, weights = self.gate(x, input_ids)
-        return self.experts(x, ids, weights) + self.shared_experts(x)
+        if self.ep is None:
+            routed = self.experts(x, ids, weights)
+        else:
+            slots = choose_slots(ids, self.log2phy, self.replica_count, positions)
+            recv, handle = self.ep.dispatch(x, slots, weights)
+            routed = self.ep.combine(self.experts(recv.x, recv.slots[:, None], recv.weights[:, None]), handle)
+        return routed + self.shared_experts(x)

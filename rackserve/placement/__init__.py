@@ -6,7 +6,14 @@ ray_groups, the only module here that imports Ray) the mapping of a plan onto Ra
     print(plan(Topology.nvl72(4), spec).table())
 """
 
-from rackserve.placement.eplb import Placement, balancedness, greedy_reference, moved_slots, rebalance
+from rackserve.placement.eplb import (
+    Placement,
+    balancedness,
+    choose_slots,
+    greedy_reference,
+    moved_slots,
+    rebalance,
+)
 from rackserve.placement.planner import (
     GpuId,
     Instance,
@@ -21,4 +28,4 @@ from rackserve.placement.topology import RACK_LABEL, TRAY_LABEL, Rack, Topology,
 
 __all__ = ["RACK_LABEL", "TRAY_LABEL", "GpuId", "Instance", "InstanceGroup", "KVStore", "Placement",
            "PlacementError", "PlacementSpec", "Plan", "Rack", "Topology", "TopologyError", "Tray", "balancedness",
-           "greedy_reference", "moved_slots", "plan", "rebalance"]
+           "choose_slots", "greedy_reference", "moved_slots", "plan", "rebalance"]

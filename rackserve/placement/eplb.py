@@ -173,6 +173,17 @@ def moved_slots(old: Placement, new: Placement) -> int:
 # Packing. Items are rows of weights [B, m]; a packing is content [B, P, m/P] of item indices.
 
 
+def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor,
+                 token_index: torch.Tensor) -> torch.Tensor:
+    """Physical slot of each (token, expert) pair of one layer; replicas are used round-robin by token.
+
+    ids `[T, k]` logical experts; log2phy `[E, R]` (-1 padded); replica_count `[E]`; token_index `[T]`
+    any per-token counter (e.g. positions) that spreads tokens over replicas -> slots `[T, k]`.
+    """
+    replica = token_index[:, None] % replica_count[ids]
+    return log2phy[ids, replica]
+
+
 def _replicate(weight: np.ndarray, num_phy: int, max_count: int | None) -> np.ndarray:
     """Replica counts [B, n] summing to num_phy per row, each at most max_count.
 

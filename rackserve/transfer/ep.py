@@ -7,7 +7,7 @@ A DeepEP-shaped pair over `torch.distributed` all-to-all (Gloo on CPU, NCCL on C
     out = ep.combine(y, handle)                        # [T, D]: Σ_k weight · expert(x) per token
 
 Physical slots are laid out rank-major: rank r holds slots `r·S … r·S + S - 1` (S slots per rank).
-Which replica of a logical expert a token uses is `choose_slots`'s business (EPLB's log2phy).
+Which replica of a logical expert a token uses is `rackserve.placement.eplb.choose_slots`'s business.
 One row travels per (token, expert) pair; deduplicating pairs bound for the same rank (as DeepEP
 does) is a bandwidth optimisation for later.
 Shapes: T tokens on this rank, k experts per token, D hidden, N rows received.
@@ -19,17 +19,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-
-def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor,
-                 token_index: torch.Tensor) -> torch.Tensor:
-    """Physical slot of each (token, expert) pair: replicas are used round-robin by token.
-
-    ids `[T, k]` logical experts; log2phy `[E, R]` (−1 padded); replica_count `[E]`;
-    token_index `[T]` a per-token counter that spreads tokens over replicas -> slots `[T, k]`.
-    """
-    replica = token_index[:, None] % replica_count[ids]
-    return log2phy[ids, replica]
 
 
 @dataclass
