@@ -62,3 +62,77 @@ def test_dep2_forward_equals_the_single_process_model(tiny_checkpoint, tmp_path)
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got.shape == want.shape
         assert (got - want).abs().max() < 1e-4
+
+
+def collect(results, procs, timeout: float = 300.0) -> list:
+    """One result per process; fails at once, not at the timeout, if a process dies."""
+    import queue
+    import time
+
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < len(procs):
+        try:
+            got.append(results.get(timeout=1))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead and time.monotonic() < deadline, f"worker exit codes {[p.exitcode for p in procs]}"
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return got
+
+
+# rank: prompts (length, seed, max_tokens); rank 1 finishes early and then runs dummy forwards
+ENGINE_WORK = {0: [(40, 11, 12), (9, 12, 20), (70, 13, 6)], 1: [(25, 14, 4)]}
+
+
+def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, results) -> None:
+    from rackserve.collective import join
+    from rackserve.config import EngineConfig
+    from rackserve.engine import Engine, SamplingParams
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    gang = join(rendezvous_at, rank, WORLD, "test-secret", timeout=60)
+    try:
+        model = load_model(checkpoint)
+        layers = model.model.layers
+        load = torch.rand(len(layers), model.config.n_routed_experts, generator=torch.Generator().manual_seed(5)) ** 3
+        layout = rebalance(load, num_slots=WORLD * SLOTS_PER_RANK, num_ranks=WORLD)
+        ep = ExpertParallel(SLOTS_PER_RANK)
+        for layer, phy2log in zip(layers, torch.as_tensor(layout.phy2log), strict=True):
+            layer.mlp.shard(ep, phy2log)
+        engine = Engine(model, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), gang=gang)
+        reqs = [engine.add_request(prompt(n, seed=s), SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+                for n, s, m in ENGINE_WORK[rank]]
+        dummy_steps = 0
+        while True:
+            engine.step()
+            if engine.gang_tokens.sum() == 0:  # the whole gang is idle: done
+                break
+            dummy_steps += engine.gang_tokens[rank] == 0
+        results.put((rank, [r.output_ids for r in reqs], int(dummy_steps)))
+    finally:
+        gang.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_dep2_engines_in_lockstep_equal_the_single_process_engine(tiny_checkpoint):
+    from rackserve.collective import RendezvousServer
+    from rackserve.engine import LLM, SamplingParams
+
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    server = RendezvousServer(WORLD, "test-secret")
+    procs = [ctx.Process(target=engine_worker, args=(r, port, server.address, str(tiny_checkpoint), results))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got = {rank: (outs, dummies) for rank, outs, dummies in collect(results, procs)}
+    server.close()
+    assert got[1][1] > 0  # rank 1 ran out of work and kept the MoE exchanges going with dummies
+    single = LLM(tiny_checkpoint)
+    for rank, work in ENGINE_WORK.items():
+        want = single.generate([prompt(n, seed=s) for n, s, _ in work],
+                               [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, _, m in work])
+        assert got[rank][0] == [c.token_ids for c in want]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import asdict
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from rackserve.config import EngineConfig
@@ -23,10 +25,21 @@ class RequestError(ValueError):
     """A request the engine cannot take; the message says why and what to change."""
 
 
+class Gang(Protocol):
+    """The ranks an engine steps in lockstep with (a `rackserve.collective.Communicator`)."""
+
+    rank: int
+    world_size: int
+
+    def allreduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray: ...
+
+
 class Engine:
     def __init__(self, model: DeepseekV4ForCausalLM, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig | None = None):
-        self.model, self.tokenizer = model, tokenizer
+                 config: EngineConfig | None = None, gang: Gang | None = None):
+        """`gang`: when this engine is one DP rank of an instance whose MoE layers exchange tokens
+        (expert parallel), the other ranks to step in lockstep with; see `step`."""
+        self.model, self.tokenizer, self.gang = model, tokenizer, gang
         self.config = (config or EngineConfig()).resolve(model.config)
         c = self.config
         self.cache = StateCache(model.config, c.block_size, c.max_num_seqs, int(c.state_memory_mb * 2**20),
@@ -40,6 +53,10 @@ class Engine:
             )
         self.scheduler = Scheduler(self.config, self.cache)
         self.runner = Runner(model, self.cache)
+        if gang is not None:
+            self.runner.dummy = self.cache.allocate()
+            self.cache.reserve(self.runner.dummy, 1)
+        self.gang_tokens = np.zeros(0, np.int64)  # tokens each DP rank ran in the last step
         self._seeds = random.Random(c.seed)
         self._ids = itertools.count()
         self.eos_ids = tuple(model.config.eos_token_ids)
@@ -89,11 +106,28 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, apply: one continuous-batching step."""
+        """Schedule, run, apply: one continuous-batching step.
+
+        In a gang, a host sync between schedule and run (one all-reduce of a small int vector:
+        tokens per rank, forward passes) makes every rank run the same number of forwards, dummy
+        ones where it has no work, or all of them skip the step when no rank has work.
+        """
         out = self.scheduler.schedule()
-        result = self.runner.execute(out)
+        passes = self.runner.plan(out)
+        num_passes = len(passes) if self.gang is None else self._sync(out.num_tokens, len(passes))
+        if num_passes == 0:
+            return []
+        result = self.runner.execute(out, passes, num_passes)
         self.num_steps += 1
         return self.scheduler.update(out, result)
+
+    def _sync(self, num_tokens: int, num_passes: int) -> int:
+        """The gang's host sync; returns the most forward passes any rank needs."""
+        vec = np.zeros(self.gang.world_size + 1, np.int64)
+        vec[self.gang.rank], vec[-1] = num_tokens, num_passes
+        vec = self.gang.allreduce(vec, "max")
+        self.gang_tokens = vec[:-1]
+        return int(vec[-1])
 
     def stats(self) -> dict:
         """Counters: prefix-cache hits and skipped tokens, evictions, preemptions, state memory."""

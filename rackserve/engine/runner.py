@@ -14,17 +14,22 @@ import torch
 from rackserve.engine.request import TokenLogprobs
 from rackserve.engine.sampling import SamplingBatch, sample
 from rackserve.engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
-from rackserve.engine.state_cache import StateCache
+from rackserve.engine.state_cache import CacheHandle, StateCache
 from rackserve.model import DeepseekV4ForCausalLM, ForwardBatch
+
+
+Pass = list[tuple[ScheduledChunk, list[int]]]
 
 
 class Runner:
     def __init__(self, model: DeepseekV4ForCausalLM, cache: StateCache):
         self.model, self.cache = model, cache
         self.device = model.lm_head.weight.device
+        self.dummy: CacheHandle | None = None  # a scratch request for dummy forwards (DP ranks)
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        passes: tuple[list, list] = ([], [])
+    def plan(self, out: SchedulerOutput) -> list[Pass]:
+        """The forward passes of a step: each chunk's tokens, split at a block boundary if needed."""
+        passes: tuple[Pass, Pass] = ([], [])
         for chunk in out.chunks:
             ids = chunk.request.token_ids[chunk.start:chunk.start + chunk.num_tokens]
             end = chunk.start + chunk.num_tokens
@@ -37,11 +42,15 @@ class Runner:
                 passes[1].append((chunk, ids[cut:]))
             else:
                 passes[0].append((chunk, ids))
+        return [p for p in passes if p]
 
+    def execute(self, out: SchedulerOutput, passes: list[Pass] | None = None, num_passes: int = 0) -> RunnerOutput:
+        """Run the step's passes (`plan(out)` unless given), then dummy forwards up to `num_passes`
+        (ranks of one instance must all run the same number of forwards, since every MoE layer
+        exchanges tokens)."""
+        passes = self.plan(out) if passes is None else passes
         last_logits: dict[int, torch.Tensor] = {}
         for part in passes:
-            if not part:
-                continue
             batch = ForwardBatch.build(self.cache.state, [(c.request.handle, ids) for c, ids in part])
             logits = self.model(batch, self.cache.state)
             for row, (chunk, ids) in enumerate(part):
@@ -49,7 +58,16 @@ class Runner:
                 handle.num_tokens += len(ids)
                 self.cache.commit(handle, chunk.request.token_ids)
                 last_logits[id(chunk)] = logits[row]
+        for _ in range(len(passes), num_passes):
+            self.dummy_forward()
         return self._sample([c for c in out.chunks if c.samples], last_logits)
+
+    def dummy_forward(self) -> None:
+        """One token through the model on the scratch request, which never advances: keeps an idle
+        DP rank's MoE exchanges in step with its busy peers."""
+        if self.dummy is None:
+            raise RuntimeError("dummy forwards need a scratch request: set Runner.dummy (DPEngine does)")
+        self.model(ForwardBatch.build(self.cache.state, [(self.dummy, [0])]), self.cache.state)
 
     def _sample(self, chunks: list[ScheduledChunk], last_logits: dict[int, torch.Tensor]) -> RunnerOutput:
         if not chunks:
