@@ -48,3 +48,24 @@ def test_dep2_instance(local_ray, tiny_checkpoint):
         assert "max_model_len" in bad["finish_reason"]
     finally:
         inst.shutdown()
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_in_flight_requests_with_a_clear_error(local_ray, tiny_checkpoint):
+    from rackserve.actors.instance import Instance
+
+    inst = Instance(tiny_checkpoint, dep=2, timeout=3.0)
+    try:
+        long = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+        request = inst.submit(prompt(20, seed=3), long)  # lands on rank 0
+        stream = inst.stream(request)
+        next(stream)
+        ray.kill(inst.ranks[1])
+        start = time.monotonic()
+        # the survivor notices at its next exchange (host sync or expert all-to-all) within the timeout
+        with pytest.raises(ray.exceptions.RayTaskError, match="DP rank 0 of 2 stopped: the DEP gang failed"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - start < 15
+    finally:
+        inst.shutdown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 from dataclasses import asdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,11 +44,12 @@ class DPRank:
             return host, s.getsockname()[1]
 
     def setup(self, checkpoint: str, engine_kwargs: dict, phy2log: list[list[int]], slots_per_rank: int,
-              dist_url: str, rendezvous_at: tuple[str, int], secret: str) -> None:
-        """Join both groups, load the model with this rank's expert slots, start the step loop."""
+              dist_url: str, rendezvous_at: tuple[str, int], secret: str, timeout: float) -> None:
+        """Join both groups, load the model with this rank's expert slots, start the step loop.
+        `timeout` (s): how long a peer may stay silent before this rank gives up on the gang."""
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=dist_url,
-                                rank=self.rank, world_size=self.world_size)
-        gang = join(tuple(rendezvous_at), self.rank, self.world_size, secret)
+                                rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout))
+        gang = join(tuple(rendezvous_at), self.rank, self.world_size, secret, timeout=timeout)
         model = load_model(checkpoint, dtype=engine_kwargs.get("dtype"), device=engine_kwargs.get("device", "cpu"))
         ep = ExpertParallel(slots_per_rank)
         for layer, row in zip(model.model.layers, phy2log, strict=True):
@@ -78,7 +80,7 @@ class DPRank:
         with self._lock:
             self._lock.wait_for(lambda: self._outputs.get(request_id) or self._error, timeout)
             if self._error:
-                raise RuntimeError(f"DP rank {self.rank} stopped: {self._error}")
+                raise RuntimeError(f"DP rank {self.rank} of {self.world_size} stopped: {self._error}")
             outs = self._outputs.get(request_id, [])
             if outs and outs[-1]["finished"]:
                 del self._outputs[request_id]
@@ -112,7 +114,8 @@ class DPRank:
                         break
         except Exception as e:  # a dead peer or transport error: fail the waiting callers clearly
             with self._lock:
-                self._error = f"{type(e).__name__}: {e}"
+                self._error = (f"the DEP gang failed ({type(e).__name__}: {e}); its in-flight requests are lost "
+                               "and the instance must be restarted")
                 self._lock.notify_all()
 
     def _drain_inbox(self) -> None:

@@ -29,10 +29,11 @@ from rackserve.placement import rebalance
 
 class Instance:
     def __init__(self, model: str | Path = "tiny", dep: int = 2, redundant_slots: int = 0,
-                 engine_kwargs: dict | None = None, actor_options: dict | None = None):
+                 engine_kwargs: dict | None = None, actor_options: dict | None = None, timeout: float = 30.0):
         """`dep` ranks; `redundant_slots` extra expert slots (replicas) over the whole instance;
         `engine_kwargs`: `EngineConfig` fields of every rank; `actor_options`: Ray options of the
-        rank actors (e.g. a placement-group scheduling strategy)."""
+        rank actors (e.g. a placement-group scheduling strategy); `timeout` (s): a rank that stays
+        silent this long fails the instance's in-flight requests with an error naming it."""
         path = str(ensure_tiny() if str(model) == "tiny" else Path(model))
         config = ModelConfig.from_pretrained(path)
         experts = config.n_routed_experts
@@ -45,7 +46,7 @@ class Instance:
         self.ranks = [actor.options(**(actor_options or {})).remote(r, dep) for r in range(dep)]
         host, port = ray.get(self.ranks[0].endpoint.remote())
         ray.get([r.setup.remote(path, engine_kwargs or {}, torch.as_tensor(layout.phy2log).tolist(), slots_per_rank,
-                                f"tcp://{host}:{port}", self._server.address, secret) for r in self.ranks])
+                                f"tcp://{host}:{port}", self._server.address, secret, timeout) for r in self.ranks])
         self._owner: dict[str, int] = {}
         self._ids = itertools.count()
 
@@ -95,7 +96,11 @@ class Instance:
         return ray.get([r.stats.remote() for r in self.ranks])
 
     def shutdown(self) -> None:
-        ray.get([r.shutdown.remote() for r in self.ranks])
-        for r in self.ranks:
-            ray.kill(r)
+        """Stop every rank (a rank that already died is skipped) and release them."""
+        for rank in self.ranks:
+            try:
+                ray.get(rank.shutdown.remote())
+            except ray.exceptions.RayActorError:
+                pass
+            ray.kill(rank)
         self._server.close()
