@@ -49,7 +49,7 @@ def test_deltas_add_up_to_decode_and_never_split_a_character(tok, prompt, text):
 def test_random_tokens_match_decode_in_any_chunking(tok, prompt):
     """Random ids (what an untrained model emits): invalid bytes and special tokens included."""
     rng = random.Random(0)
-    for trial in range(30):
+    for _ in range(30):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 60))]
         detok, deltas, tail = stream(tok, prompt, ids, chunk=rng.choice([1, 2, 3, 7]))
         assert "".join(deltas) + tail == detok.text == tok.decode(ids), ids

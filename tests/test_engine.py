@@ -55,11 +55,12 @@ def test_continuous_batching_matches_the_reference(checkpoint, reference):
     while pending or engine.has_unfinished():
         while pending and pending[0][1][2] <= step:
             i, (n, max_tokens, _) = pending.pop(0)
-            requests.append(engine.add_request(prompt(n, seed=100 + i), SamplingParams(max_tokens=max_tokens, **GREEDY)))
+            params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+            requests.append(engine.add_request(prompt(n, seed=100 + i), params))
         engine.step()
         step += 1
     assert engine.stats()["steps"] == step
-    for req, (n, max_tokens, _) in zip(requests, ARRIVALS):
+    for req, (_, max_tokens, _) in zip(requests, ARRIVALS, strict=True):
         assert req.finish_reason == "length" and len(req.output_ids) == max_tokens
         assert_reference_agrees(reference, req.prompt_ids, req.output_ids)
 

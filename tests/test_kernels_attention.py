@@ -17,7 +17,6 @@ reference magnitude `mag = max(1, |ref|.max())`:
 
 import pytest
 import torch
-import triton.language as tl
 
 from rackserve.kernels import dispatch
 from rackserve.kernels.attention import sink_attention_torch, sink_attention_triton

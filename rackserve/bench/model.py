@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     def our_decode():
         for handle in handles:
             state_cache.reserve(handle, handle.num_tokens + 1)
-        batch = ForwardBatch.build(state_cache.state, [(h, [int(t)]) for h, t in zip(handles, next_ids[:, 0], strict=True)])
+        steps = [(h, [int(t)]) for h, t in zip(handles, next_ids[:, 0], strict=True)]
+        batch = ForwardBatch.build(state_cache.state, steps)
         ours(batch, state_cache.state)
         for handle in handles:
             handle.num_tokens += 1
