@@ -346,6 +346,8 @@ class EngineConfig:
     prefix_caching: keep full blocks of finished requests to skip their prefill next time.
     prefix_snapshots: how many block-boundary snapshots of window/carry state the prefix cache may
       keep (default max_num_seqs); each costs one slot of memory.
+    eplb_interval: in an expert-parallel gang, re-place the experts every this many steps (0: never).
+    eplb_min_gain: keep the current expert layout unless the new one is this much more balanced.
     """
 
     max_num_seqs: int = 32
@@ -358,8 +360,12 @@ class EngineConfig:
     dtype: str | None = None
     device: str = "cpu"
     seed: int = 0
+    eplb_interval: int = 0
+    eplb_min_gain: float = 0.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.eplb_interval, int) or self.eplb_interval < 0:
+            raise ConfigError(f"eplb_interval={self.eplb_interval!r} must be an integer ≥ 0 (0 turns EPLB off)")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -88,3 +88,14 @@ def test_missing_or_broken_config_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_engine_config_errors():
+    from rackserve.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="eplb_interval=-1"):
+        EngineConfig(eplb_interval=-1)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=8 must exceed max_num_seqs=32"):
+        EngineConfig(max_num_batched_tokens=8)
+    with pytest.raises(ConfigError, match="block_size=12 must be a multiple of 16"):
+        EngineConfig(block_size=12).resolve(ModelConfig.from_dict(TINY_CONFIG))

@@ -86,7 +86,7 @@ def collect(results, procs, timeout: float = 300.0) -> list:
 ENGINE_WORK = {0: [(40, 11, 12), (9, 12, 20), (70, 13, 6)], 1: [(25, 14, 4)]}
 
 
-def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, results) -> None:
+def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, eplb_interval: int, results) -> None:
     from rackserve.collective import join
     from rackserve.config import EngineConfig
     from rackserve.engine import Engine, SamplingParams
@@ -101,7 +101,8 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, r
         ep = ExpertParallel(SLOTS_PER_RANK)
         for layer, phy2log in zip(layers, torch.as_tensor(layout.phy2log), strict=True):
             layer.mlp.shard(ep, phy2log)
-        engine = Engine(model, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), gang=gang)
+        config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, eplb_interval=eplb_interval)
+        engine = Engine(model, config=config, gang=gang)
         reqs = [engine.add_request(prompt(n, seed=s), SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
                 for n, s, m in ENGINE_WORK[rank]]
         dummy_steps = 0
@@ -110,27 +111,40 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, r
             if engine.gang_tokens.sum() == 0:  # the whole gang is idle: done
                 break
             dummy_steps += engine.gang_tokens[rank] == 0
-        results.put((rank, [r.output_ids for r in reqs], int(dummy_steps)))
+        stats = engine.stats()
+        results.put((rank, [r.output_ids for r in reqs], int(dummy_steps), stats["eplb_rebalances"],
+                     stats["eplb_moved_slots"]))
     finally:
         gang.close()
         dist.destroy_process_group()
 
 
+# eplb_interval 2: the experts are re-placed from the counted load every other step, weights moving
+# between the ranks while requests are in flight; nothing may change in the outputs
 @pytest.mark.slow
-def test_dep2_engines_in_lockstep_equal_the_single_process_engine(tiny_checkpoint):
+@pytest.mark.parametrize("eplb_interval", [0, 2], ids=["static", "eplb"])
+def test_dep2_engines_in_lockstep_equal_the_single_process_engine(tiny_checkpoint, eplb_interval):
     from rackserve.collective import RendezvousServer
     from rackserve.engine import LLM, SamplingParams
 
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
     server = RendezvousServer(WORLD, "test-secret")
-    procs = [ctx.Process(target=engine_worker, args=(r, port, server.address, str(tiny_checkpoint), results))
+    procs = [ctx.Process(target=engine_worker,
+                         args=(r, port, server.address, str(tiny_checkpoint), eplb_interval, results))
              for r in range(WORLD)]
     for p in procs:
         p.start()
-    got = {rank: (outs, dummies) for rank, outs, dummies in collect(results, procs)}
+    reports = {report[0]: report[1:] for report in collect(results, procs)}
     server.close()
+    got = {rank: (outs, dummies) for rank, (outs, dummies, _, _) in reports.items()}
     assert got[1][1] > 0  # rank 1 ran out of work and kept the MoE exchanges going with dummies
+    rebalances, moved = reports[0][2], reports[0][3]
+    assert reports[1][2:] == (rebalances, moved)  # both ranks re-placed together, to the same layout
+    if eplb_interval:
+        assert rebalances > 5 and moved > 0
+    else:
+        assert rebalances == moved == 0
     single = LLM(tiny_checkpoint)
     for rank, work in ENGINE_WORK.items():
         want = single.generate([prompt(n, seed=s) for n, s, _ in work],

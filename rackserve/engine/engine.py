@@ -57,6 +57,7 @@ class Engine:
             self.runner.dummy = self.cache.allocate()
             self.cache.reserve(self.runner.dummy, 1)
         self.gang_tokens = np.zeros(0, np.int64)  # tokens each DP rank ran in the last step
+        self.num_rebalances = self.eplb_moved_slots = 0
         self._seeds = random.Random(c.seed)
         self._ids = itertools.count()
         self.eos_ids = tuple(model.config.eos_token_ids)
@@ -119,7 +120,14 @@ class Engine:
             return []
         result = self.runner.execute(out, passes, num_passes)
         self.num_steps += 1
-        return self.scheduler.update(out, result)
+        outputs = self.scheduler.update(out, result)
+        interval = self.config.eplb_interval
+        # every rank counts the same steps (num_passes is the gang's), so all re-place together
+        if self.gang is not None and interval and self.num_steps % interval == 0:
+            self.eplb_moved_slots += self.model.rebalance_experts(
+                lambda a: self.gang.allreduce(a, "sum"), self.config.eplb_min_gain)
+            self.num_rebalances += 1
+        return outputs
 
     def _sync(self, num_tokens: int, num_passes: int) -> int:
         """The gang's host sync; returns the most forward passes any rank needs."""
@@ -137,6 +145,8 @@ class Engine:
             "steps": self.num_steps,
             "state_bytes_in_use": self.cache.bytes_in_use,
             "state_bytes_total": self.cache.bytes_total,
+            "eplb_rebalances": self.num_rebalances,
+            "eplb_moved_slots": self.eplb_moved_slots,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }

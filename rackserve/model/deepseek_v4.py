@@ -17,6 +17,7 @@ from rackserve.model.layers import HyperConnection, HyperHead, RMSNorm
 from rackserve.model.moe import MoE
 from rackserve.model.rope import Rotary
 from rackserve.model.state import ModelState
+from rackserve.placement.eplb import Placement, moved_slots, rebalance
 
 
 class DecoderLayer(nn.Module):
@@ -72,6 +73,24 @@ class DeepseekV4ForCausalLM(nn.Module):
             rope = self.config.main_rope if name == "main" else self.config.compress_rope
             self._rotary[name] = Rotary(rope, device)
         return self._rotary[name]
+
+    def rebalance_experts(self, reduce_sum, min_gain: float = 0.0) -> int:
+        """Re-place the routed experts of the expert-parallel layers (EPLB) from the tokens each
+        physical slot served since the last call, summed over the gang by `reduce_sum` (an
+        all-reduce of a numpy array). Every rank must call it between the same two steps; all
+        compute the same layout. Returns how many physical slots changed expert (0: kept)."""
+        layers = [layer.mlp for layer in self.model.layers if layer.mlp.ep is not None]
+        if not layers:
+            return 0
+        num_experts, ep = self.config.n_routed_experts, layers[0].ep
+        slot_load = torch.as_tensor(reduce_sum(torch.stack([m.slot_load for m in layers]).cpu().numpy()))
+        phy2log = torch.stack([m.phy2log for m in layers]).cpu()
+        load = torch.zeros(len(layers), num_experts, dtype=torch.float64).scatter_add_(1, phy2log, slot_load.double())
+        current = Placement.from_phy2log(phy2log, num_experts)
+        new = rebalance(load, num_slots=phy2log.shape[1], num_ranks=ep.world, current=current, min_gain=min_gain)
+        for m, row in zip(layers, torch.as_tensor(new.phy2log), strict=True):
+            m.relayout(row)
+        return moved_slots(current, new)
 
     @property
     def dtype(self) -> torch.dtype:

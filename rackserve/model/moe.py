@@ -84,18 +84,38 @@ class MoE(nn.Module):
         """Keep only the experts of this rank's physical slots and route through `ep`.
 
         ep: an expert-parallel transport (`rackserve.transfer.ep.ExpertParallel`: `rank`,
-        `slots_per_rank`, `dispatch`, `combine`); phy2log `[num_slots]`: this layer's logical expert
-        of every physical slot, rank-major (from `rackserve.placement.rebalance`).
+        `slots_per_rank`, `dispatch`, `combine`, `move_rows`); phy2log `[num_slots]`: this layer's
+        logical expert of every physical slot, rank-major (from `rackserve.placement.rebalance`).
         """
+        mine = phy2log[ep.rank * ep.slots_per_rank:(ep.rank + 1) * ep.slots_per_rank].to(self.gate.weight.device)
+        self._set_experts(self.experts.gate_up_proj.data[mine], self.experts.down_proj.data[mine])
+        self.ep = ep
+        self._set_layout(phy2log)
+
+    def relayout(self, phy2log: torch.Tensor) -> None:
+        """Move to a new slot layout `[num_slots]`: this rank receives the weights of its new slots
+        from the ranks that hold them now. Every rank of the gang must call it at the same time."""
+        experts = self.experts
+        rows = torch.cat([experts.gate_up_proj.flatten(1), experts.down_proj.flatten(1)], dim=1)
+        rows = self.ep.move_rows(self.phy2log, phy2log.to(self.phy2log.device), rows)
+        gate_up, down = rows.split([experts.gate_up_proj[0].numel(), experts.down_proj[0].numel()], dim=1)
+        self._set_experts(gate_up.view_as(experts.gate_up_proj), down.view_as(experts.down_proj))
+        self._set_layout(phy2log)
+
+    def _set_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.experts.gate_up_proj = nn.Parameter(gate_up.clone(), requires_grad=False)
+        self.experts.down_proj = nn.Parameter(down.clone(), requires_grad=False)
+
+    def _set_layout(self, phy2log: torch.Tensor) -> None:
+        """The slot maps of a layout, and a fresh count of tokens per physical slot `[num_slots]`."""
+        device = self.gate.weight.device
         placement = Placement.from_phy2log(phy2log[None].cpu(), self.gate.weight.shape[0])
-        device = self.experts.gate_up_proj.device
+        self.register_buffer("phy2log", phy2log.to(device), persistent=False)
         self.register_buffer("log2phy", torch.as_tensor(placement.log2phy)[0].to(device), persistent=False)
         self.register_buffer("replica_count", torch.as_tensor(placement.replica_count)[0].to(device),
                              persistent=False)
-        mine = phy2log[ep.rank * ep.slots_per_rank:(ep.rank + 1) * ep.slots_per_rank].to(device)
-        self.experts.gate_up_proj = nn.Parameter(self.experts.gate_up_proj.data[mine].clone(), requires_grad=False)
-        self.experts.down_proj = nn.Parameter(self.experts.down_proj.data[mine].clone(), requires_grad=False)
-        self.ep = ep
+        self.register_buffer("slot_load", torch.zeros(len(phy2log), dtype=torch.int64, device=device),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x `[T, D]`, input_ids `[T]` (hash routing reads them), positions `[T]` -> `[T, D]`."""
@@ -104,6 +124,7 @@ class MoE(nn.Module):
             routed = self.experts(x, ids, weights)
         else:
             slots = choose_slots(ids, self.log2phy, self.replica_count, positions)
+            self.slot_load += torch.bincount(slots.flatten(), minlength=len(self.slot_load))  # for EPLB
             recv, handle = self.ep.dispatch(x, slots, weights)
             routed = self.ep.combine(self.experts(recv.x, recv.slots[:, None], recv.weights[:, None]), handle)
         return routed + self.shared_experts(x)

@@ -83,3 +83,32 @@ class ExpertParallel:
         out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
         out.index_add_(0, handle.order // handle.k, back.float())
         return out.to(y.dtype)
+
+    def move_rows(self, old: torch.Tensor, new: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Re-lay per-slot rows (expert weights) from layout `old` to layout `new` (`[num_slots]`
+        logical expert per physical slot, the same on every rank).
+
+        rows `[slots_per_rank, R]`: this rank's rows under `old` -> its rows under `new`. Each new
+        slot gets its expert from the first old slot holding it; one all-to-all moves every row.
+        """
+        first: dict[int, int] = {}
+        for slot, expert in enumerate(old.tolist()):
+            first.setdefault(expert, slot)
+        missing = sorted(set(new.tolist()) - set(first))
+        if missing:
+            raise ValueError(f"the new layout holds experts {missing} that no slot holds now")
+        s = self.slots_per_rank
+        src = torch.tensor([first[e] for e in new.tolist()])  # [num_slots] source slot of each new slot
+        src_rank, dst_rank = src // s, torch.arange(len(new)) // s
+        # rows leave in new-slot order, so each destination gets its rows ascending by slot
+        outgoing = (src_rank == self.rank).nonzero().squeeze(1)
+        send = rows[(src[outgoing] - self.rank * s).to(rows.device)]
+        send_counts = torch.bincount(dst_rank[outgoing], minlength=self.world).tolist()
+        incoming = torch.arange(self.rank * s, (self.rank + 1) * s)
+        order = torch.argsort(src_rank[incoming], stable=True)  # grouped by source, ascending slot
+        recv_counts = torch.bincount(src_rank[incoming], minlength=self.world).tolist()
+        recv = rows.new_empty(s, rows.shape[1])
+        dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=self.group)
+        out = torch.empty_like(recv)
+        out[order.to(rows.device)] = recv
+        return out
