@@ -30,17 +30,23 @@ def run_requests(model, chunks: list[list[int]]) -> torch.Tensor:
     return torch.cat([step(model, state, [(handle, ids)], all_logits=True) for ids in chunks])
 
 
+def sharded_model(checkpoint: str):
+    """The tiny model with this rank's expert slots of a skewed layout (in a process group already)."""
+    model = load_model(checkpoint)
+    layers = model.model.layers
+    load = torch.rand(len(layers), model.config.n_routed_experts, generator=torch.Generator().manual_seed(5)) ** 3
+    layout = rebalance(load, num_slots=WORLD * SLOTS_PER_RANK, num_ranks=WORLD)
+    ep = ExpertParallel(SLOTS_PER_RANK)
+    for layer, phy2log in zip(layers, torch.as_tensor(layout.phy2log), strict=True):
+        layer.mlp.shard(ep, phy2log)
+    return model
+
+
 def worker(rank: int, port: int, checkpoint: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        model = load_model(checkpoint)
-        layers = model.model.layers
-        load = torch.rand(len(layers), model.config.n_routed_experts, generator=torch.Generator().manual_seed(5)) ** 3
-        layout = rebalance(load, num_slots=WORLD * SLOTS_PER_RANK, num_ranks=WORLD)
-        ep = ExpertParallel(SLOTS_PER_RANK)
-        for layer, phy2log in zip(layers, torch.as_tensor(layout.phy2log), strict=True):
-            layer.mlp.shard(ep, phy2log)
-        assert layers[0].mlp.experts.gate_up_proj.shape[0] == SLOTS_PER_RANK
+        model = sharded_model(checkpoint)
+        assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == SLOTS_PER_RANK
         torch.save(run_requests(model, requests_of(rank)), f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -94,13 +100,7 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, e
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     gang = join(rendezvous_at, rank, WORLD, "test-secret", timeout=60)
     try:
-        model = load_model(checkpoint)
-        layers = model.model.layers
-        load = torch.rand(len(layers), model.config.n_routed_experts, generator=torch.Generator().manual_seed(5)) ** 3
-        layout = rebalance(load, num_slots=WORLD * SLOTS_PER_RANK, num_ranks=WORLD)
-        ep = ExpertParallel(SLOTS_PER_RANK)
-        for layer, phy2log in zip(layers, torch.as_tensor(layout.phy2log), strict=True):
-            layer.mlp.shard(ep, phy2log)
+        model = sharded_model(checkpoint)
         config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, eplb_interval=eplb_interval)
         engine = Engine(model, config=config, gang=gang)
         reqs = [engine.add_request(prompt(n, seed=s), SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
