@@ -8,6 +8,7 @@ run their torch reference on every backend.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable
@@ -49,8 +50,14 @@ def backend(device: torch.device) -> str:
 
 def implementation(op: str, device: torch.device) -> Callable:
     """The function that runs `op` on `device`."""
+    return _resolve(op, backend(device))
+
+
+@functools.cache
+def _resolve(op: str, chosen: str) -> Callable:
+    # cached: the model calls ops on every layer of every step, the lookup need not be repeated
     module = importlib.import_module(f"rackserve.kernels.{OPS[op]}")
-    if backend(device) == "triton" and hasattr(module, f"{op}_triton"):
+    if chosen == "triton" and hasattr(module, f"{op}_triton"):
         return getattr(module, f"{op}_triton")
     return getattr(module, f"{op}_torch")
 

@@ -75,10 +75,6 @@ class ForwardBatch:
     swa_write: RingWrite
     plans: dict[str, CompressPlan]  # by layer kind
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
     @classmethod
     def build(cls, state: ModelState, requests: Sequence[tuple[RequestState, Sequence[int]]],
               all_logits: bool = False) -> "ForwardBatch":
