@@ -9,7 +9,7 @@ import sys
 def _make_tiny(args: argparse.Namespace) -> int:
     from rackserve.model.tiny import make_tiny
 
-    path = make_tiny(args.dir, seed=args.seed)
+    path = make_tiny(args.dir, seed=args.seed, hot_experts=args.hot_experts)
     print(f"wrote the tiny DeepSeek-V4 checkpoint to {path}")
     return 0
 
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write the built-in tiny checkpoint (random weights) to DIR")
     tiny.add_argument("dir", help="output directory (created if missing)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    tiny.add_argument("--hot-experts", type=int, default=0,
+                      help="bias the learned routers towards the first N experts (skewed load for EPLB)")
     tiny.set_defaults(func=_make_tiny)
 
     gen = sub.add_parser("generate", help="generate text offline in this process (default: the tiny model)")

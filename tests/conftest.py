@@ -80,3 +80,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# The one Ray cluster of the test session: 2 racks x 2 trays, each tray a node with 2 logical GPUs
+# (Ray accepts GPUs without devices) and its rack/tray labels; the head node is rack0/tray0.
+RACKS, TRAYS, GPUS_PER_TRAY = 2, 2, 2
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    node = {"num_cpus": 1, "num_gpus": GPUS_PER_TRAY, "object_store_memory": 80 << 20}
+    labels = [{"rackserve.io/rack": f"rack{r}", "rackserve.io/tray": f"tray{t}"}
+              for r in range(RACKS) for t in range(TRAYS)]
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "labels": labels[0]})
+    for lab in labels[1:]:
+        cluster.add_node(**node, labels=lab)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+

@@ -36,9 +36,7 @@ def sharded_model(checkpoint: str):
     layers = model.model.layers
     load = torch.rand(len(layers), model.config.n_routed_experts, generator=torch.Generator().manual_seed(5)) ** 3
     layout = rebalance(load, num_slots=WORLD * SLOTS_PER_RANK, num_ranks=WORLD)
-    ep = ExpertParallel(SLOTS_PER_RANK)
-    for layer, phy2log in zip(layers, torch.as_tensor(layout.phy2log), strict=True):
-        layer.mlp.shard(ep, phy2log)
+    model.shard_experts(ExpertParallel(SLOTS_PER_RANK), torch.as_tensor(layout.phy2log))
     return model
 
 

@@ -1,5 +1,8 @@
-"""A DEP2 instance of Ray actors on a local Ray cluster: same greedy outputs as the single-process
-engine, no stepping while idle, waking up for new work, bad input answered with an error."""
+"""Instances of Ray actors on the session's local Ray cluster: DEP2, DEP4 and attention–FFN split
+(2 attention + 2 expert ranks) give the same greedy outputs as the single-process engine for
+requests arriving at different times, with EPLB re-placing skewed experts mid-generation; an idle
+gang does not spin; a killed member fails the requests in flight with an error naming it and the
+gang restarts; bad configuration fails at creation."""
 
 from __future__ import annotations
 
@@ -9,63 +12,143 @@ import pytest
 import ray
 
 from conftest import prompt
+from rackserve.actors.instance import Instance, InstanceError
+from rackserve.config import ConfigError
 from rackserve.engine import LLM, SamplingParams
+from rackserve.model.tiny import make_tiny
+from rackserve.placement import InstanceGroup, PlacementSpec, plan
+from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64}
+FIRST, LATER = [(5, 50), (33, 51), (70, 52)], [(12, 53), (41, 54), (20, 55)]  # (prompt length, seed)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
-    yield
-    ray.shutdown()
+@pytest.fixture(scope="session")
+def hot_checkpoint(tmp_path_factory):
+    """The tiny model with one hot expert in every learned-routing layer: skewed expert load."""
+    return make_tiny(tmp_path_factory.mktemp("hot"), seed=0, hot_experts=1)
+
+
+def run_staggered(inst: Instance) -> list[list[int]]:
+    """Submit three requests, wait until the first streams, submit three more; all token ids."""
+    ids = [inst.submit(prompt(n, seed=s), GREEDY) for n, s in FIRST]
+    first = inst.stream(ids[0])
+    head = next(first)
+    ids += [inst.submit(prompt(n, seed=s), GREEDY) for n, s in LATER]
+    outs = [head["new_token_ids"] + [t for out in first for t in out["new_token_ids"]]]
+    for request_id in ids[1:]:
+        outs.append([t for out in inst.stream(request_id) for t in out["new_token_ids"]])
+    return outs
+
+
+def single_process(checkpoint) -> list[list[int]]:
+    return [c.token_ids for c in LLM(checkpoint).generate([prompt(n, seed=s) for n, s in FIRST + LATER], GREEDY)]
+
+
+def assert_eplb_rebalanced(stats: dict, min_rise: float) -> None:
+    """Every member re-placed the same number of times, and the first re-placement (from the
+    uniform start) made the counted load more balanced by at least `min_rise`."""
+    members = stats["members"]
+    assert len({m["eplb_rebalances"] for m in members}) == 1 and members[0]["eplb_rebalances"] >= 2
+    before, after = members[0]["eplb_balancedness"][0]
+    assert after >= before + min_rise, members[0]["eplb_balancedness"]
+    assert members[0]["eplb_moved_slots"] > 0
 
 
 @pytest.mark.slow
-def test_dep2_instance(local_ray, tiny_checkpoint):
-    from rackserve.actors.instance import Instance
-
-    inst = Instance(tiny_checkpoint, dep=2, redundant_slots=2,
-                    engine_kwargs={"max_num_seqs": 4, "max_num_batched_tokens": 64})
+def test_dep2_instance(ray_cluster, tiny_checkpoint):
+    inst = Instance(tiny_checkpoint, dep=2, redundant_slots=2, engine_kwargs=ENGINE)
     try:
-        prompts = [prompt(n, seed=50 + n) for n in (5, 33, 70, 12, 41)]
-        got = inst.generate(prompts, GREEDY)
-        want = LLM(tiny_checkpoint).generate(prompts, GREEDY)
-        assert [g["token_ids"] for g in got] == [w.token_ids for w in want]
-        assert all(g["finish_reason"] == "length" for g in got)
-        assert all(s["steps"] > 0 for s in inst.stats())  # both ranks stepped (one with dummies at times)
+        assert run_staggered(inst) == single_process(tiny_checkpoint)
+        assert all(s["steps"] > 0 for s in inst.stats()["members"])  # both stepped (one with dummies at times)
 
-        before = [s["steps"] for s in inst.stats()]
-        time.sleep(0.5)
-        assert [s["steps"] for s in inst.stats()] == before  # idle: the gang sleeps instead of spinning
+        before = [p["cpu_s"] for p in inst.ping()]
+        steps = [s["steps"] for s in inst.stats()["members"]]
+        time.sleep(2.0)
+        idle = [p["cpu_s"] - b for p, b in zip(inst.ping(), before, strict=True)]
+        assert [s["steps"] for s in inst.stats()["members"]] == steps  # idle: the gang sleeps...
+        assert max(idle) < 0.2, idle  # ...and does not spin (CPU seconds over 2 s idle)
 
-        [again] = inst.generate([prompts[2]], GREEDY)  # woken by new work
-        assert again["token_ids"] == got[2]["token_ids"]
+        [again] = inst.generate([prompt(70, seed=52)], GREEDY)  # woken by new work
+        assert again["token_ids"] == single_process(tiny_checkpoint)[2]
 
-        [bad] = inst.generate([prompt(9000, seed=1)], GREEDY)
+        [bad] = inst.generate([prompt(9000, seed=1)], GREEDY)  # refused, the others keep going
         assert "max_model_len" in bad["finish_reason"]
     finally:
         inst.shutdown()
 
 
 @pytest.mark.slow
-def test_a_dead_rank_fails_in_flight_requests_with_a_clear_error(local_ray, tiny_checkpoint):
-    from rackserve.actors.instance import Instance
-
-    inst = Instance(tiny_checkpoint, dep=2, timeout=3.0)
+def test_dep4_with_eplb_on_skewed_load_equals_the_single_process_engine(ray_cluster, hot_checkpoint):
+    inst = Instance(hot_checkpoint, dep=4, redundant_slots=4, engine_kwargs={**ENGINE, "eplb_interval": 4})
     try:
-        long = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
-        request = inst.submit(prompt(20, seed=3), long)  # lands on rank 0
-        stream = inst.stream(request)
-        next(stream)
-        ray.kill(inst.ranks[1])
-        start = time.monotonic()
-        # the survivor notices at its next exchange (host sync or expert all-to-all) within the timeout
-        with pytest.raises(ray.exceptions.RayTaskError, match="DP rank 0 of 2 stopped: the DEP gang failed"):
-            for _ in stream:
-                pass
-        assert time.monotonic() - start < 15
+        assert run_staggered(inst) == single_process(hot_checkpoint)
+        assert_eplb_rebalanced(inst.stats(), min_rise=0.05)
     finally:
         inst.shutdown()
+
+
+@pytest.mark.slow
+def test_split_instance_from_a_plan(ray_cluster, hot_checkpoint):
+    """AFD2+2 placed by the planner: members land on the planned trays, outputs equal the single
+    process engine's with EPLB moving experts between the expert ranks; then a killed expert rank
+    fails the request in flight with an error naming it, and the restarted gang serves again."""
+    p = plan(topology_from_ray(), PlacementSpec((InstanceGroup("decode", 1, 2, "afd", 2),), kv_stores="none"))
+    planned = p.instances[0]
+    groups = placement_groups(p, name_prefix="test-split")
+    try:
+        wait_ready(groups, timeout_s=60)
+        inst = Instance.from_plan(planned, groups[planned.name], hot_checkpoint, timeout=5.0,
+                                  engine_kwargs={**ENGINE, "eplb_interval": 4})
+        try:
+            where = [(m["labels"]["rackserve.io/rack"], m["labels"]["rackserve.io/tray"]) for m in inst.ping()]
+            assert where == [(g.rack, g.tray) for g in planned.all_gpus]
+            assert [m["role"] for m in inst.ping()] == ["DP rank"] * 2 + ["expert rank"] * 2
+            assert run_staggered(inst) == single_process(hot_checkpoint)
+            stats = inst.stats()
+            assert_eplb_rebalanced(stats, min_rise=0.0)
+            assert all(m["steps"] == stats["members"][0]["steps"] for m in stats["members"])  # lockstep
+            assert_member_death_is_survived(inst, member=3, name="expert rank 3", checkpoint=hot_checkpoint)
+        finally:
+            inst.shutdown()
+    finally:
+        remove(groups)
+
+
+@pytest.mark.slow
+def test_a_dead_dp_rank_fails_in_flight_requests_and_the_gang_restarts(ray_cluster, tiny_checkpoint):
+    inst = Instance(tiny_checkpoint, dep=2, timeout=5.0)
+    try:
+        assert_member_death_is_survived(inst, member=1, name="DP rank 1", checkpoint=tiny_checkpoint)
+    finally:
+        inst.shutdown()
+
+
+def assert_member_death_is_survived(inst: Instance, member: int, name: str, checkpoint) -> None:
+    long = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    stream = inst.stream(inst.submit(prompt(20, seed=3), long))  # lands on DP rank 0
+    next(stream)
+    ray.kill(inst.members[member])
+    start = time.monotonic()
+    # the survivors notice at their next exchange (host sync or expert all-to-all), within the timeout
+    with pytest.raises(InstanceError, match=rf"was lost: .* instance .* failed: {name} died.*resubmit"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - start < 20
+    assert inst.stats()["restarts"] == 1
+    [again] = inst.generate([prompt(70, seed=52)], GREEDY)  # the restarted gang serves
+    assert again["token_ids"] == single_process(checkpoint)[2]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"dep": 0}, "dep=0 must be an integer ≥ 1"),
+    ({"expert_ranks": -1}, "expert_ranks=-1"),
+    ({"redundant_slots": -2}, "redundant_slots=-2"),
+    ({"engine_kwargs": {"max_num_seqs": 0}}, "max_num_seqs=0"),
+    ({"engine_kwargs": {"max_num_seq": 4}}, "engine_kwargs: .*max_num_seq.*EngineConfig's fields"),
+    ({"model": "/nonexistent/ckpt"}, "no config.json in /nonexistent/ckpt; pass a checkpoint directory"),
+], ids=["dep", "expert_ranks", "redundant", "engine_value", "engine_field", "model_path"])
+def test_bad_configuration_fails_at_creation_naming_the_fix(tiny_checkpoint, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Instance(**{"model": tiny_checkpoint, **kwargs})  # fails before any actor exists: no Ray needed

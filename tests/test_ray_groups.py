@@ -1,12 +1,12 @@
 """A plan on a real (local) Ray cluster: every rank's actor and every KV store lands on the rack and
-tray the plan chose. The cluster: 2 racks x 2 trays, each tray a node with 2 logical GPUs (Ray
-accepts GPUs without devices) and its rack/tray labels; the head node is rack0/tray0."""
+tray the plan chose. The cluster is the session's (conftest `ray_cluster`): 2 racks x 2 trays of 2
+logical GPUs, each tray a node with its rack/tray labels."""
 
 from __future__ import annotations
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
+from conftest import GPUS_PER_TRAY, RACKS, TRAYS
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rackserve.placement import InstanceGroup, PlacementSpec, Rack, Topology, Tray, plan
@@ -19,25 +19,6 @@ from rackserve.placement.ray_groups import (
     wait_ready,
 )
 
-RACKS, TRAYS, GPUS = 2, 2, 2
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    if ray.is_initialized():  # another module's cluster: this one needs its own labelled nodes
-        ray.shutdown()
-    node = {"num_cpus": 1, "num_gpus": GPUS, "object_store_memory": 80 << 20}
-    trays = [(f"rack{r}", f"tray{t}") for r in range(RACKS) for t in range(TRAYS)]
-    labels = [{"rackserve.io/rack": r, "rackserve.io/tray": t} for r, t in trays]
-    c = Cluster(initialize_head=True, head_node_args={**node, "labels": labels[0]})
-    for lab in labels[1:]:
-        c.add_node(**node, labels=lab)
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    yield c
-    ray.shutdown()
-    c.shutdown()
-
 
 @ray.remote
 class Where:
@@ -46,16 +27,16 @@ class Where:
         return labels["rackserve.io/rack"], labels["rackserve.io/tray"]
 
 
-def test_topology_from_ray_reads_the_labels(cluster):
-    assert topology_from_ray().racks == Topology.uniform(RACKS, TRAYS, GPUS).racks
+def test_topology_from_ray_reads_the_labels(ray_cluster):
+    assert topology_from_ray().racks == Topology.uniform(RACKS, TRAYS, GPUS_PER_TRAY).racks
 
 
-def test_every_rank_and_kv_store_lands_where_planned(cluster):
+def test_every_rank_and_kv_store_lands_where_planned(ray_cluster):
     spec = PlacementSpec((InstanceGroup("decode", 1, 4),  # spans both trays of one rack
                           InstanceGroup("prefill", 1, 2),
                           InstanceGroup("decode", 1, 1, "afd", 1)))
     p = plan(topology_from_ray(), spec)
-    assert p.gpus_used == RACKS * TRAYS * GPUS  # every tray of the cluster is used
+    assert p.gpus_used == RACKS * TRAYS * GPUS_PER_TRAY  # every tray of the cluster is used
     groups = placement_groups(p, name_prefix="test")
     try:
         wait_ready(groups, timeout_s=60)
@@ -76,7 +57,7 @@ def test_every_rank_and_kv_store_lands_where_planned(cluster):
         remove(groups)
 
 
-def test_wait_ready_names_the_groups_that_cannot_be_placed(cluster):
+def test_wait_ready_names_the_groups_that_cannot_be_placed(ray_cluster):
     elsewhere = Topology((Rack("rack9", (Tray("tray0", 2),)),))  # no node has these labels
     groups = placement_groups(plan(elsewhere, PlacementSpec((InstanceGroup("prefill", 1, 2),))))
     try:

@@ -1,81 +1,219 @@
-"""`Instance`: a DEP model instance as a gang of `DPRank` actors, driven from Python.
+"""`Instance`: one model instance as a gang of rank actors stepping in lockstep, driven from Python.
 
-    inst = Instance("tiny", dep=2)
+    inst = Instance("tiny", dep=2)                     # DEP2: 2 DP ranks, each holding half the experts
+    inst = Instance("tiny", dep=2, expert_ranks=2)     # split: 2 attention ranks + 2 expert ranks
     [c] = inst.generate(["The rack hums"], SamplingParams(max_tokens=8, temperature=0))
     inst.shutdown()
 
-The routed experts are laid out over the ranks by `placement.rebalance` (uniform load until load
-is counted); each request goes to the DP rank with the fewest requests outstanding.
+Members are DP ranks `0 … dep-1`, then expert ranks (split mode). In DEP mode each DP rank holds its
+share of the expert slots itself (one process per GPU, as the serving engines run it: no second
+CUDA context on the GPU, no hop between two processes on it). The routed experts are laid out by
+`placement.rebalance` (uniform load until load is counted); each request goes to the DP rank with
+the fewest requests outstanding.
+
+Faults: a member that dies or stops answering fails the gang (survivors notice at their next
+exchange, within `timeout`); every request in flight ends with an `InstanceError` naming the member,
+and the instance restarts its gang, so the next requests are served.
 """
 
 from __future__ import annotations
 
 import itertools
 import secrets
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 import ray
 import torch
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rackserve.actors.dp_rank import DPRank
+from rackserve.actors.expert_rank import ExpertRank
+from rackserve.actors.gang_member import GangSpec
 from rackserve.collective import RendezvousServer
-from rackserve.config import ModelConfig
+from rackserve.config import ConfigError, EngineConfig, ModelConfig
 from rackserve.engine import SamplingParams
 from rackserve.model.tiny import ensure_tiny
-from rackserve.actors.dp_rank import DPRank
-from rackserve.placement import rebalance
+from rackserve.placement import planner, rebalance
+
+PING_TIMEOUT_S = 5.0  # a member that does not answer a ping this long after a failure counts as stalled
+
+
+class InstanceError(RuntimeError):
+    """The instance's gang failed under a request; the message names the member and what to do."""
 
 
 class Instance:
-    def __init__(self, model: str | Path = "tiny", dep: int = 2, redundant_slots: int = 0,
-                 engine_kwargs: dict | None = None, actor_options: dict | None = None, timeout: float = 30.0):
-        """`dep` ranks; `redundant_slots` extra expert slots (replicas) over the whole instance;
-        `engine_kwargs`: `EngineConfig` fields of every rank; `actor_options`: Ray options of the
-        rank actors (e.g. a placement-group scheduling strategy); `timeout` (s): a rank that stays
-        silent this long fails the instance's in-flight requests with an error naming it."""
-        path = str(ensure_tiny() if str(model) == "tiny" else Path(model))
-        config = ModelConfig.from_pretrained(path)
-        experts = config.n_routed_experts
-        slots_per_rank = -(-(experts + redundant_slots) // dep)
-        layout = rebalance(torch.ones(config.num_hidden_layers, experts), num_slots=dep * slots_per_rank,
-                           num_ranks=dep)
-        secret = secrets.token_hex(16)
-        self._server = RendezvousServer(dep, secret)
-        actor = ray.remote(max_concurrency=16)(DPRank)
-        self.ranks = [actor.options(**(actor_options or {})).remote(r, dep) for r in range(dep)]
-        host, port = ray.get(self.ranks[0].endpoint.remote())
-        ray.get([r.setup.remote(path, engine_kwargs or {}, torch.as_tensor(layout.phy2log).tolist(), slots_per_rank,
-                                f"tcp://{host}:{port}", self._server.address, secret, timeout) for r in self.ranks])
-        self._owner: dict[str, int] = {}
+    def __init__(self, model: str | Path = "tiny", dep: int = 2, expert_ranks: int = 0, redundant_slots: int = 0,
+                 engine_kwargs: dict | None = None, actor_options: dict | None = None, timeout: float = 30.0,
+                 placement_group: PlacementGroup | None = None, name: str = "instance"):
+        """`dep` DP ranks; `expert_ranks` > 0: attention–FFN split mode with that many expert
+        ranks; `redundant_slots`: extra expert slots (replicas) over the instance; `engine_kwargs`:
+        `EngineConfig` fields of every rank; `actor_options`: Ray options of every member; with a
+        `placement_group` (one bundle per member, as `placement.ray_groups` makes them) member i runs
+        in bundle i; `timeout` (s): a member silent this long fails the gang."""
+        if not isinstance(dep, int) or dep < 1:
+            raise ConfigError(f"dep={dep!r} must be an integer ≥ 1 (the number of DP ranks)")
+        if not isinstance(expert_ranks, int) or expert_ranks < 0:
+            raise ConfigError(f"expert_ranks={expert_ranks!r} must be an integer ≥ 0 (0: DEP mode)")
+        if not isinstance(redundant_slots, int) or redundant_slots < 0:
+            raise ConfigError(f"redundant_slots={redundant_slots!r} must be an integer ≥ 0")
+        self.path = str(ensure_tiny() if str(model) == "tiny" else Path(model))
+        if not (Path(self.path) / "config.json").is_file():
+            raise ConfigError(f"model={str(model)!r}: no config.json in {self.path}; pass a checkpoint directory "
+                              "(config.json + *.safetensors) or 'tiny' for the built-in tiny model")
+        config = ModelConfig.from_pretrained(self.path)
+        try:
+            EngineConfig(**(engine_kwargs or {})).resolve(config)
+        except TypeError as e:
+            raise ConfigError(f"engine_kwargs: {e}; use EngineConfig's fields") from None
+        holders = expert_ranks or dep
+        self.slots_per_rank = -(-(config.n_routed_experts + redundant_slots) // holders)
+        self.dep, self.num_expert_ranks, self.world = dep, expert_ranks, dep + expert_ranks
+        if placement_group is not None and placement_group.bundle_count < self.world:
+            raise ConfigError(f"the placement group has {placement_group.bundle_count} bundles; this instance needs "
+                              f"one per member ({dep} DP + {expert_ranks} expert ranks = {self.world})")
+        self.shape = f"DEP{dep}" if not expert_ranks else f"AFD{dep}+{expert_ranks}"
+        self.name, self.timeout = name, timeout
+        self._engine_kwargs, self._actor_options = dict(engine_kwargs or {}), dict(actor_options or {})
+        self._placement_group = placement_group
+        self._layout = torch.as_tensor(rebalance(torch.ones(config.num_hidden_layers, config.n_routed_experts),
+                                                 num_slots=holders * self.slots_per_rank,
+                                                 num_ranks=holders).phy2log).tolist()
+        self._lock = threading.RLock()
+        self._owner: dict[str, tuple[int, int]] = {}  # request id -> (DP rank, gang generation)
+        self._failures: dict[int, str] = {}  # gang generation -> why it failed
         self._ids = itertools.count()
+        self.generation = -1
+        self._start()
 
+    @classmethod
+    def from_plan(cls, planned: planner.Instance, placement_group: PlacementGroup, model: str | Path = "tiny",
+                  bundle_resources: dict[str, float] | None = None, **kwargs) -> Instance:
+        """The instance `planned` (from `placement.plan`) in its placement group (from
+        `placement.ray_groups.placement_groups`, made with the same `bundle_resources`, default
+        {"GPU": 1}); each member reserves its bundle's resources."""
+        res = dict(bundle_resources or {"GPU": 1.0})
+        options = {"num_gpus": res.pop("GPU", 0), "num_cpus": res.pop("CPU", 0), "resources": res,
+                   **kwargs.pop("actor_options", {})}
+        return cls(model, dep=len(planned.gpus), expert_ranks=len(planned.expert_gpus), actor_options=options,
+                   placement_group=placement_group, name=planned.name, **kwargs)
+
+    # ---- the gang ----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        """Create the members, join them into a gang, load the model on each, start their loops."""
+        self.generation += 1
+        secret = secrets.token_hex(16)
+        self._server = RendezvousServer(self.world, secret)
+        self.members = [self._actor(i).remote(i, self.world) for i in range(self.world)]
+        host, port = ray.get(self.members[0].endpoint.remote())
+        holders = (self.dep, self.world) if self.num_expert_ranks else (0, self.dep)
+        spec = GangSpec(self.path, self._engine_kwargs, self._layout, self.slots_per_rank, holders,
+                        f"tcp://{host}:{port}", self._server.address, secret, self.timeout)
+        ray.get([m.setup.remote(spec) for m in self.members])
+
+    def _actor(self, i: int):
+        cls = DPRank if i < self.dep else ExpertRank
+        options = {"num_cpus": 0, "max_concurrency": 16, **self._actor_options}
+        if self._placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._placement_group,
+                                                                              placement_group_bundle_index=i)
+        return ray.remote(cls).options(**options)
+
+    def _member_name(self, i: int) -> str:
+        return f"DP rank {i}" if i < self.dep else f"expert rank {i}"
+
+    def _fail(self, generation: int, cause: BaseException) -> str:
+        """Record why gang `generation` failed (naming the members at fault) and restart it, once;
+        returns the reason."""
+        with self._lock:
+            if generation == self.generation:
+                self._failures[generation] = self._diagnose(cause)
+                self._restart()
+            return self._failures[generation]
+
+    def _diagnose(self, cause: BaseException) -> str:
+        refs = [m.ping.remote() for m in self.members]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_TIMEOUT_S)
+        culprits, errors = [], []
+        for i, ref in enumerate(refs):
+            if ref not in ready:
+                culprits.append(f"{self._member_name(i)} stopped answering")
+                continue
+            try:
+                info = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                culprits.append(f"{self._member_name(i)} died")
+                continue
+            if info["error"]:
+                errors.append(info["error"])
+        detail = "; ".join(culprits) if culprits else (errors[0] if errors else f"{type(cause).__name__}: {cause}")
+        return f"{self.shape} instance {self.name!r} failed: {detail}"
+
+    def _restart(self) -> None:
+        self._kill()
+        self._start()
+
+    def _kill(self) -> None:
+        for member in self.members:
+            ray.kill(member)
+        self._server.close()
+
+    # ---- requests ------------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> str:
-        """Queue a request on the least-loaded rank; returns its id."""
-        loads = [sum(1 for r in self._owner.values() if r == i) for i in range(len(self.ranks))]
-        rank = loads.index(min(loads))
-        request_id = f"inst-{next(self._ids)}"
-        ray.get(self.ranks[rank].submit.remote(request_id, prompt, asdict(params or SamplingParams())))
-        for i, other in enumerate(self.ranks):
-            if i != rank:  # every rank must resume stepping with it
-                other.wake.remote()
-        self._owner[request_id] = rank
-        return request_id
+        """Queue a request on the least-loaded DP rank; returns its id. A gang found dead here is
+        restarted first, so the request is served."""
+        params = asdict(params or SamplingParams())
+        with self._lock:
+            request_id = f"{self.name}-{next(self._ids)}"
+            for attempt in (0, 1):
+                loads = [0] * self.dep
+                for rank, gen in self._owner.values():
+                    loads[rank] += gen == self.generation
+                rank = loads.index(min(loads))
+                target = self.members[rank]
+                try:  # every member must resume stepping with it
+                    ray.get([target.submit.remote(request_id, prompt, params)] +
+                            [m.wake.remote() for m in self.members if m is not target])
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                    reason = self._fail(self.generation, e)
+                    if attempt:
+                        raise InstanceError(f"{reason}; a fresh gang failed too, check the members' logs") from None
+                    continue
+                self._owner[request_id] = (rank, self.generation)
+                return request_id
+        raise AssertionError("unreachable")
 
     def stream(self, request_id: str) -> Iterator[dict]:
-        """The request's outputs as they come: dicts with new_text, new_token_ids, finished, …"""
-        rank = self.ranks[self._owner[request_id]]
+        """The request's outputs as they come: dicts with new_text, new_token_ids, finished, …;
+        raises `InstanceError` if the gang fails under it."""
+        with self._lock:
+            rank, generation = self._owner[request_id]
+            member = self.members[rank]
         try:
             while True:
-                for out in ray.get(rank.poll.remote(request_id)):
+                try:
+                    if generation != self.generation:  # the gang failed under another request
+                        raise InstanceError(self._failures[generation])
+                    outs = ray.get(member.poll.remote(request_id))
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, InstanceError) as e:
+                    reason = self._fail(generation, e)
+                    raise InstanceError(f"request {request_id} was lost: {reason}. The instance restarted its gang; "
+                                        "resubmit the request") from None
+                for out in outs:
                     yield out
                     if out["finished"]:
                         return
         finally:
-            self._owner.pop(request_id, None)
+            with self._lock:
+                self._owner.pop(request_id, None)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[dict]:
-        """Run prompts to completion across the ranks: per prompt, its token ids, text and finish reason."""
+        """Run prompts to completion across the ranks: per prompt, its token ids, text and finish
+        reason (the error message for input the engine refused)."""
         ids = [self.submit(p, params) for p in prompts]
         results = []
         for request_id in ids:
@@ -88,19 +226,32 @@ class Instance:
         return results
 
     def abort(self, request_id: str) -> None:
-        rank = self._owner.pop(request_id, None)
-        if rank is not None:
-            ray.get(self.ranks[rank].abort.remote(request_id))
+        """Stop a request and free its state (a request of a failed gang is already gone)."""
+        with self._lock:
+            rank, generation = self._owner.pop(request_id, (None, None))
+            if generation == self.generation:
+                try:
+                    ray.get(self.members[rank].abort.remote(request_id))
+                except ray.exceptions.RayActorError:
+                    pass
 
-    def stats(self) -> list[dict]:
-        return ray.get([r.stats.remote() for r in self.ranks])
+    def stats(self) -> dict:
+        """The instance's shape, gang restarts so far, and every member's counters."""
+        with self._lock:
+            members, generation = list(self.members), self.generation
+        return {"name": self.name, "shape": self.shape, "restarts": generation,
+                "failures": list(self._failures.values()), "members": ray.get([m.stats.remote() for m in members])}
+
+    def ping(self) -> list[dict]:
+        """Every member's liveness and whereabouts (see `GangMember.ping`)."""
+        return ray.get([m.ping.remote() for m in self.members])
 
     def shutdown(self) -> None:
-        """Stop every rank (a rank that already died is skipped) and release them."""
-        for rank in self.ranks:
-            try:
-                ray.get(rank.shutdown.remote())
-            except ray.exceptions.RayActorError:
-                pass
-            ray.kill(rank)
-        self._server.close()
+        """Stop every member (one that already died is skipped) and release them."""
+        with self._lock:
+            for member in self.members:
+                try:
+                    ray.get(member.shutdown.remote())
+                except ray.exceptions.RayActorError:
+                    pass
+            self._kill()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import asdict
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from rackserve.config import EngineConfig
 from rackserve.engine.detokenizer import IncrementalDetokenizer
+from rackserve.engine.gang import ExpertBalancer, Gang, sync
 from rackserve.engine.request import Request, RequestOutput
 from rackserve.engine.runner import Runner
 from rackserve.engine.sampling import SamplingParams
@@ -19,19 +19,11 @@ from rackserve.engine.scheduler import Scheduler
 from rackserve.engine.state_cache import StateCache
 from rackserve.model import DeepseekV4ForCausalLM
 from rackserve.model.tokenizer import Tokenizer
+from rackserve.timing import phase
 
 
 class RequestError(ValueError):
     """A request the engine cannot take; the message says why and what to change."""
-
-
-class Gang(Protocol):
-    """The ranks an engine steps in lockstep with (a `rackserve.collective.Communicator`)."""
-
-    rank: int
-    world_size: int
-
-    def allreduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray: ...
 
 
 class Engine:
@@ -53,11 +45,12 @@ class Engine:
             )
         self.scheduler = Scheduler(self.config, self.cache)
         self.runner = Runner(model, self.cache)
+        self.balancer = None
         if gang is not None:
             self.runner.dummy = self.cache.allocate()
             self.cache.reserve(self.runner.dummy, 1)
-        self.gang_tokens = np.zeros(0, np.int64)  # tokens each DP rank ran in the last step
-        self.num_rebalances = self.eplb_moved_slots = 0
+            self.balancer = ExpertBalancer(model.moe_layers, gang, c.eplb_interval, c.eplb_min_gain)
+        self.gang_tokens = np.zeros(0, np.int64)  # tokens each gang member ran in the last step
         self._seeds = random.Random(c.seed)
         self._ids = itertools.count()
         self.eos_ids = tuple(model.config.eos_token_ids)
@@ -113,29 +106,24 @@ class Engine:
         tokens per rank, forward passes) makes every rank run the same number of forwards, dummy
         ones where it has no work, or all of them skip the step when no rank has work.
         """
-        out = self.scheduler.schedule()
-        passes = self.runner.plan(out)
-        num_passes = len(passes) if self.gang is None else self._sync(out.num_tokens, len(passes))
+        with phase("schedule"):
+            out = self.scheduler.schedule()
+            passes = self.runner.plan(out)
+        num_passes = len(passes)
+        if self.gang is not None:
+            with phase("host sync"):
+                self.gang_tokens, num_passes = sync(self.gang, out.num_tokens, num_passes)
         if num_passes == 0:
             return []
-        result = self.runner.execute(out, passes, num_passes)
+        with phase("forward other"):  # what attention, expert and sampling phases leave of the forward
+            result = self.runner.execute(out, passes, num_passes)
         self.num_steps += 1
-        outputs = self.scheduler.update(out, result)
-        interval = self.config.eplb_interval
-        # every rank counts the same steps (num_passes is the gang's), so all re-place together
-        if self.gang is not None and interval and self.num_steps % interval == 0:
-            self.eplb_moved_slots += self.model.rebalance_experts(
-                lambda a: self.gang.allreduce(a, "sum"), self.config.eplb_min_gain)
-            self.num_rebalances += 1
+        with phase("update"):
+            outputs = self.scheduler.update(out, result)
+        if self.balancer is not None:
+            with phase("eplb"):
+                self.balancer.after_step()
         return outputs
-
-    def _sync(self, num_tokens: int, num_passes: int) -> int:
-        """The gang's host sync; returns the most forward passes any rank needs."""
-        vec = np.zeros(self.gang.world_size + 1, np.int64)
-        vec[self.gang.rank], vec[-1] = num_tokens, num_passes
-        vec = self.gang.allreduce(vec, "max")
-        self.gang_tokens = vec[:-1]
-        return int(vec[-1])
 
     def stats(self) -> dict:
         """Counters: prefix-cache hits and skipped tokens, evictions, preemptions, state memory."""
@@ -145,8 +133,7 @@ class Engine:
             "steps": self.num_steps,
             "state_bytes_in_use": self.cache.bytes_in_use,
             "state_bytes_total": self.cache.bytes_total,
-            "eplb_rebalances": self.num_rebalances,
-            "eplb_moved_slots": self.eplb_moved_slots,
+            **(self.balancer.stats() if self.balancer else {}),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }

@@ -16,6 +16,7 @@ from rackserve.engine.sampling import SamplingBatch, sample
 from rackserve.engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
 from rackserve.engine.state_cache import CacheHandle, StateCache
 from rackserve.model import DeepseekV4ForCausalLM, ForwardBatch
+from rackserve.timing import phase
 
 
 Pass = list[tuple[ScheduledChunk, list[int]]]
@@ -60,7 +61,8 @@ class Runner:
                 last_logits[id(chunk)] = logits[row]
         for _ in range(len(passes), num_passes):
             self.dummy_forward()
-        return self._sample([c for c in out.chunks if c.samples], last_logits)
+        with phase("sampling"):
+            return self._sample([c for c in out.chunks if c.samples], last_logits)
 
     def dummy_forward(self) -> None:
         """One token through the model on the scratch request, which never advances: keeps an idle

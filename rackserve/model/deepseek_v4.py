@@ -17,7 +17,7 @@ from rackserve.model.layers import HyperConnection, HyperHead, RMSNorm
 from rackserve.model.moe import MoE
 from rackserve.model.rope import Rotary
 from rackserve.model.state import ModelState
-from rackserve.placement.eplb import Placement, moved_slots, rebalance
+from rackserve.timing import phase
 
 
 class DecoderLayer(nn.Module):
@@ -36,7 +36,8 @@ class DecoderLayer(nn.Module):
     def forward(self, streams: torch.Tensor, batch: ForwardBatch, state: ModelState, rotary: Rotary) -> torch.Tensor:
         """streams `[T, hc_mult, D]` -> `[T, hc_mult, D]`."""
         post, comb, x = self.attn_hc.weights(streams)
-        out = self.self_attn(self.input_layernorm(x), batch, state, rotary)
+        with phase("attention"):
+            out = self.self_attn(self.input_layernorm(x), batch, state, rotary)
         streams = HyperConnection.merge(streams, out, post, comb)
         post, comb, x = self.ffn_hc.weights(streams)
         out = self.mlp(self.post_attention_layernorm(x), batch.input_ids, batch.positions)
@@ -74,23 +75,15 @@ class DeepseekV4ForCausalLM(nn.Module):
             self._rotary[name] = Rotary(rope, device)
         return self._rotary[name]
 
-    def rebalance_experts(self, reduce_sum, min_gain: float = 0.0) -> int:
-        """Re-place the routed experts of the expert-parallel layers (EPLB) from the tokens each
-        physical slot served since the last call, summed over the gang by `reduce_sum` (an
-        all-reduce of a numpy array). Every rank must call it between the same two steps; all
-        compute the same layout. Returns how many physical slots changed expert (0: kept)."""
-        layers = [layer.mlp for layer in self.model.layers if layer.mlp.ep is not None]
-        if not layers:
-            return 0
-        num_experts, ep = self.config.n_routed_experts, layers[0].ep
-        slot_load = torch.as_tensor(reduce_sum(torch.stack([m.slot_load for m in layers]).cpu().numpy()))
-        phy2log = torch.stack([m.phy2log for m in layers]).cpu()
-        load = torch.zeros(len(layers), num_experts, dtype=torch.float64).scatter_add_(1, phy2log, slot_load.double())
-        current = Placement.from_phy2log(phy2log, num_experts)
-        new = rebalance(load, num_slots=phy2log.shape[1], num_ranks=ep.world, current=current, min_gain=min_gain)
-        for m, row in zip(layers, torch.as_tensor(new.phy2log), strict=True):
-            m.relayout(row)
-        return moved_slots(current, new)
+    def shard_experts(self, ep, phy2log: torch.Tensor) -> None:
+        """Expert parallel: keep only this rank's expert slots of every layer (see `MoE.shard`);
+        phy2log `[num_layers, num_slots]`."""
+        for layer, row in zip(self.model.layers, phy2log, strict=True):
+            layer.mlp.shard(ep, row)
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.model.layers]
 
     @property
     def dtype(self) -> torch.dtype:

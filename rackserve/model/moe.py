@@ -6,6 +6,10 @@ Shapes: T tokens, D hidden, E routed experts, k experts per token, I expert inte
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,7 +17,14 @@ from torch import nn
 from rackserve.config import HASH_MOE, ModelConfig
 from rackserve.kernels import dispatch
 from rackserve.kernels.moe import swiglu
-from rackserve.placement.eplb import Placement, choose_slots
+from rackserve.placement.eplb import (
+    Placement,
+    balancedness,
+    choose_slots,
+    moved_slots,
+    rebalance,
+)
+from rackserve.timing import phase
 
 
 class Router(nn.Module):
@@ -83,11 +94,12 @@ class MoE(nn.Module):
     def shard(self, ep, phy2log: torch.Tensor) -> None:
         """Keep only the experts of this rank's physical slots and route through `ep`.
 
-        ep: an expert-parallel transport (`rackserve.transfer.ep.ExpertParallel`: `rank`,
-        `slots_per_rank`, `dispatch`, `combine`, `move_rows`); phy2log `[num_slots]`: this layer's
+        ep: an expert-parallel transport (`rackserve.transfer.ep.ExpertParallel`: `local_slots`,
+        `expert_ranks`, `dispatch`, `combine`, `move_rows`); phy2log `[num_slots]`: this layer's
         logical expert of every physical slot, rank-major (from `rackserve.placement.rebalance`).
+        A rank without slots (attention-only, split mode) keeps no experts and only sends tokens.
         """
-        mine = phy2log[ep.rank * ep.slots_per_rank:(ep.rank + 1) * ep.slots_per_rank].to(self.gate.weight.device)
+        mine = phy2log[ep.local_slots.start:ep.local_slots.stop].to(self.gate.weight.device)
         self._set_experts(self.experts.gate_up_proj.data[mine], self.experts.down_proj.data[mine])
         self.ep = ep
         self._set_layout(phy2log)
@@ -98,7 +110,7 @@ class MoE(nn.Module):
         experts = self.experts
         rows = torch.cat([experts.gate_up_proj.flatten(1), experts.down_proj.flatten(1)], dim=1)
         rows = self.ep.move_rows(self.phy2log, phy2log.to(self.phy2log.device), rows)
-        gate_up, down = rows.split([experts.gate_up_proj[0].numel(), experts.down_proj[0].numel()], dim=1)
+        gate_up, down = rows.split([experts.gate_up_proj.shape[1:].numel(), experts.down_proj.shape[1:].numel()], dim=1)
         self._set_experts(gate_up.view_as(experts.gate_up_proj), down.view_as(experts.down_proj))
         self._set_layout(phy2log)
 
@@ -121,10 +133,56 @@ class MoE(nn.Module):
         """x `[T, D]`, input_ids `[T]` (hash routing reads them), positions `[T]` -> `[T, D]`."""
         ids, weights = self.gate(x, input_ids)
         if self.ep is None:
-            routed = self.experts(x, ids, weights)
+            with phase("experts"):
+                routed = self.experts(x, ids, weights)
         else:
             slots = choose_slots(ids, self.log2phy, self.replica_count, positions)
             self.slot_load += torch.bincount(slots.flatten(), minlength=len(self.slot_load))  # for EPLB
-            recv, handle = self.ep.dispatch(x, slots, weights)
-            routed = self.ep.combine(self.experts(recv.x, recv.slots[:, None], recv.weights[:, None]), handle)
+            routed = self._expert_parallel(x, slots, weights)
         return routed + self.shared_experts(x)
+
+    def serve_experts(self) -> None:
+        """An expert rank's part of this layer's forward (split mode): it sends no tokens, receives
+        the rows bound for its slots, and returns their results. Runs when the attention ranks run
+        `forward` on this layer."""
+        x = self.gate.weight.new_empty(0, self.gate.weight.shape[1])
+        slots = torch.empty(0, self.gate.k, dtype=torch.long, device=x.device)
+        self._expert_parallel(x, slots, x.new_empty(0, self.gate.k))
+
+    def _expert_parallel(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x `[T, D]`, slots/weights `[T, k]` -> `[T, D]`: dispatch, this rank's experts, combine."""
+        with phase("dispatch/combine"):
+            recv, handle = self.ep.dispatch(x, slots, weights)
+        with phase("experts"):
+            y = self.experts(recv.x, recv.slots[:, None], recv.weights[:, None]) if len(recv.x) else recv.x
+        with phase("dispatch/combine"):
+            return self.ep.combine(y, handle)
+
+
+@dataclass
+class Rebalance:
+    """One EPLB re-placement: slots that changed expert, and the balancedness (mean / max rank
+    load, averaged over layers) of the load counted since the last one, under the old and new layout."""
+
+    moved_slots: int
+    balancedness_before: float
+    balancedness_after: float
+
+
+def rebalance_experts(layers: list[MoE], reduce_sum: Callable[[np.ndarray], np.ndarray],
+                      min_gain: float = 0.0) -> Rebalance:
+    """Re-place the routed experts of expert-parallel MoE `layers` (EPLB) from the tokens each
+    physical slot served since the last call, summed over the gang by `reduce_sum` (an all-reduce
+    of a numpy array), then restart the counts. Every rank of the gang must call it between the same
+    two steps; all compute the same layout, and the weights move in one all-to-all per layer."""
+    num_experts, ep = layers[0].gate.weight.shape[0], layers[0].ep
+    slot_load = torch.as_tensor(reduce_sum(torch.stack([m.slot_load for m in layers]).cpu().numpy()))
+    phy2log = torch.stack([m.phy2log for m in layers]).cpu()
+    load = torch.zeros(len(layers), num_experts, dtype=torch.float64).scatter_add_(1, phy2log, slot_load.double())
+    current = Placement.from_phy2log(phy2log, num_experts)
+    ranks = len(ep.expert_ranks)
+    new = rebalance(load, num_slots=phy2log.shape[1], num_ranks=ranks, current=current, min_gain=min_gain)
+    for m, row in zip(layers, torch.as_tensor(new.phy2log), strict=True):
+        m.relayout(row)
+    return Rebalance(moved_slots(current, new), balancedness(load, phy2log, ranks),
+                     balancedness(load, new.phy2log, ranks))

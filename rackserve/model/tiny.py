@@ -94,10 +94,12 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             t.data.copy_(value.to(t.dtype))
 
 
-def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None) -> Path:
+def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None, hot_experts: int = 0) -> Path:
     """Write a tiny random checkpoint (weights, config, tokenizer) into `path`; returns `path`.
 
-    `config` overrides fields of the default tiny config.json.
+    `config` overrides fields of the default tiny config.json. `hot_experts` > 0 lifts the learned
+    routers' correction bias of experts `0 … hot_experts-1` by 1.0, so they are picked far more
+    often than the others: skewed expert load, as EPLB meets it in real traffic.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -105,6 +107,10 @@ def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None) -> Pa
     cfg = ModelConfig.from_dict(raw)
     model = build_model(cfg, torch.float32)
     randomize(model, seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if not layer.mlp.gate.hashed:
+                layer.mlp.gate.e_score_correction_bias[:hot_experts] += 1.0
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     # write to a temporary name first so a crash never leaves a half-written checkpoint behind
     tmp = path / "model.safetensors.tmp"

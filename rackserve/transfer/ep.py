@@ -6,7 +6,10 @@ A DeepEP-shaped pair over `torch.distributed` all-to-all (Gloo on CPU, NCCL on C
     y = local_experts(recv.x, recv.slots, recv.weights)  # rows for this rank's physical slots
     out = ep.combine(y, handle)                        # [T, D]: Σ_k weight · expert(x) per token
 
-Physical slots are laid out rank-major: rank r holds slots `r·S … r·S + S - 1` (S slots per rank).
+Physical slots are laid out rank-major over the ranks that hold experts, `expert_ranks` of the
+group (all of it in DEP mode; the expert ranks after the attention ranks in attention–FFN split
+mode): the j-th of them holds slots `j·S … j·S + S - 1` (S slots per rank); other ranks hold none
+and only send tokens.
 Which replica of a logical expert a token uses is `rackserve.placement.eplb.choose_slots`'s business.
 One row travels per (token, expert) pair; deduplicating pairs bound for the same rank (as DeepEP
 does) is a bandwidth optimisation for later.
@@ -42,24 +45,49 @@ class DispatchHandle:
 
 
 class ExpertParallel:
-    """The dispatch/combine pair for one process group of `world` ranks × `slots_per_rank` slots."""
+    """The dispatch/combine pair for one process group whose `expert_ranks` (default: every rank)
+    hold `slots_per_rank` slots each."""
 
-    def __init__(self, slots_per_rank: int, group: dist.ProcessGroup | None = None):
+    def __init__(self, slots_per_rank: int, group: dist.ProcessGroup | None = None,
+                 expert_ranks: range | None = None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.slots_per_rank = slots_per_rank
+        self.expert_ranks = expert_ranks if expert_ranks is not None else range(self.world)
+        if not (0 <= self.expert_ranks.start < self.expert_ranks.stop <= self.world and self.expert_ranks.step == 1):
+            raise ValueError(f"expert_ranks={self.expert_ranks} must be a non-empty run of ranks in [0, {self.world})")
+        self.local_slots = range(0)  # the physical slots this rank holds
+        if self.rank in self.expert_ranks:
+            first = (self.rank - self.expert_ranks.start) * slots_per_rank
+            self.local_slots = range(first, first + slots_per_rank)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.expert_ranks) * self.slots_per_rank
+
+    def owner(self, slots: torch.Tensor) -> torch.Tensor:
+        """The group rank holding each physical slot (same shape as `slots`)."""
+        return self.expert_ranks.start + slots // self.slots_per_rank
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+                    in_splits: list[int] | None = None) -> None:
+        """`dist.all_to_all_single` into `out`; a group of one rank just copies (no transport)."""
+        if self.world == 1:
+            out.copy_(inp)
+        else:
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
 
     def _exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
         recv = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv, send_counts, group=self.group)
+        self._all_to_all(recv, send_counts)
         return recv.tolist()
 
     def dispatch(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> tuple[Received, DispatchHandle]:
         """x `[T, D]`, slots/weights `[T, k]` (global physical slots) -> rows for this rank's slots."""
         t, k = slots.shape
         flat = slots.flatten()
-        dest = flat // self.slots_per_rank
+        dest = self.owner(flat)
         order = torch.argsort(dest, stable=True)
         send_counts = torch.bincount(dest, minlength=self.world)
         recv_counts = self._exchange_counts(send_counts)
@@ -67,19 +95,19 @@ class ExpertParallel:
         n = sum(recv_counts)
         token = order // k
         recv_x = x.new_empty(n, x.shape[1])
-        dist.all_to_all_single(recv_x, x[token].contiguous(), recv_counts, send_counts, group=self.group)
+        self._all_to_all(recv_x, x[token].contiguous(), recv_counts, send_counts)
         # slot ids and weights travel together as one fp64 tensor (exact for both) to save a round
         meta = torch.stack([flat[order].double(), weights.flatten()[order].double()], dim=1)
         recv_meta = meta.new_empty(n, 2)
-        dist.all_to_all_single(recv_meta, meta, recv_counts, send_counts, group=self.group)
-        local = recv_meta[:, 0].long() - self.rank * self.slots_per_rank
+        self._all_to_all(recv_meta, meta, recv_counts, send_counts)
+        local = recv_meta[:, 0].long() - self.local_slots.start
         received = Received(recv_x, local, recv_meta[:, 1].to(weights.dtype))
         return received, DispatchHandle(order, send_counts, recv_counts, t, k)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """y `[N, D]` (already weighted) -> `[T, D]`, the sum over each token's k pairs."""
         back = y.new_empty(len(handle.order), y.shape[1])
-        dist.all_to_all_single(back, y.contiguous(), handle.send_counts, handle.recv_counts, group=self.group)
+        self._all_to_all(back, y.contiguous(), handle.send_counts, handle.recv_counts)
         out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
         out.index_add_(0, handle.order // handle.k, back.float())
         return out.to(y.dtype)
@@ -88,7 +116,7 @@ class ExpertParallel:
         """Re-lay per-slot rows (expert weights) from layout `old` to layout `new` (`[num_slots]`
         logical expert per physical slot, the same on every rank).
 
-        rows `[slots_per_rank, R]`: this rank's rows under `old` -> its rows under `new`. Each new
+        rows `[len(local_slots), R]`: this rank's rows under `old` -> its rows under `new`. Each new
         slot gets its expert from the first old slot holding it; one all-to-all moves every row.
         """
         first: dict[int, int] = {}
@@ -97,18 +125,18 @@ class ExpertParallel:
         missing = sorted(set(new.tolist()) - set(first))
         if missing:
             raise ValueError(f"the new layout holds experts {missing} that no slot holds now")
-        s = self.slots_per_rank
+        mine = self.local_slots
         src = torch.tensor([first[e] for e in new.tolist()])  # [num_slots] source slot of each new slot
-        src_rank, dst_rank = src // s, torch.arange(len(new)) // s
+        src_rank, dst_rank = self.owner(src), self.owner(torch.arange(len(new)))
         # rows leave in new-slot order, so each destination gets its rows ascending by slot
         outgoing = (src_rank == self.rank).nonzero().squeeze(1)
-        send = rows[(src[outgoing] - self.rank * s).to(rows.device)]
+        send = rows[(src[outgoing] - mine.start).to(rows.device)]
         send_counts = torch.bincount(dst_rank[outgoing], minlength=self.world).tolist()
-        incoming = torch.arange(self.rank * s, (self.rank + 1) * s)
+        incoming = torch.arange(mine.start, mine.stop)
         order = torch.argsort(src_rank[incoming], stable=True)  # grouped by source, ascending slot
         recv_counts = torch.bincount(src_rank[incoming], minlength=self.world).tolist()
-        recv = rows.new_empty(s, rows.shape[1])
-        dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=self.group)
+        recv = rows.new_empty(len(mine), rows.shape[1])
+        self._all_to_all(recv, send.contiguous(), recv_counts, send_counts)
         out = torch.empty_like(recv)
         out[order.to(rows.device)] = recv
         return out

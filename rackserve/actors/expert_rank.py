@@ -1,0 +1,21 @@
+"""`ExpertRank`: an expert rank of an attention–FFN split instance, a thin actor over `ExpertWorker`."""
+
+from __future__ import annotations
+
+from rackserve.actors.gang_member import GangMember, GangSpec
+from rackserve.engine.expert_worker import ExpertWorker
+
+
+class ExpertRank(GangMember):
+    role = "expert rank"
+
+    def setup(self, spec: GangSpec) -> None:
+        model, config = self._join(spec)
+        self.worker = ExpertWorker(model.moe_layers, self.gang, config)  # attention weights are dropped
+        self._start()
+
+    def _stats(self) -> dict:
+        return self.worker.stats()
+
+    def _step(self) -> bool:
+        return self.worker.step() > 0

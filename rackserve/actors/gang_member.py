@@ -1,0 +1,126 @@
+"""What every rank actor of an instance's gang has: identity, the two groups, the model, the loop.
+
+A gang member joins the expert-parallel process group (Gloo on CPU, NCCL on CUDA) and the host
+collective (`rackserve.collective`), loads the model with its share of the expert slots, and runs
+`_step` in a background thread. Idle protocol: when a step's host sync shows no member with work,
+every member blocks until woken; `Instance` wakes every member whenever it submits to any, so all
+members resume together. A failed step (a dead or silent peer) ends the loop and is kept in
+`error` for the callers.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rackserve import timing
+from rackserve.collective import join
+from rackserve.config import EngineConfig
+from rackserve.model import DeepseekV4ForCausalLM, load_model
+from rackserve.transfer.ep import ExpertParallel
+
+
+@dataclass(frozen=True)
+class GangSpec:
+    """Everything a member needs to join its gang; the same for every member.
+
+    phy2log: `[num_layers][num_slots]` the logical expert of every physical slot; expert_ranks:
+    (first, stop) the gang ranks holding slots, `slots_per_rank` each; timeout (s): how long a
+    peer may stay silent before a member gives up on the gang.
+    """
+
+    checkpoint: str
+    engine_kwargs: dict
+    phy2log: list[list[int]]
+    slots_per_rank: int
+    expert_ranks: tuple[int, int]
+    dist_url: str
+    rendezvous_at: tuple[str, int]
+    secret: str
+    timeout: float
+
+
+class GangMember:
+    role = "member"
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self._lock = threading.Condition()
+        self._wake = threading.Event()
+        self._stop = False
+        self.error: str | None = None
+        self.gang = None
+
+    def endpoint(self) -> tuple[str, int]:
+        """A (host, free port) for the expert-parallel process group's rendezvous (rank 0's is used)."""
+        host = socket.gethostbyname(socket.gethostname())
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    def _join(self, spec: GangSpec) -> tuple[DeepseekV4ForCausalLM, EngineConfig]:
+        """Join both groups; load the model holding this rank's expert slots."""
+        config = EngineConfig(**spec.engine_kwargs)
+        dist.init_process_group("nccl" if config.device.startswith("cuda") else "gloo", init_method=spec.dist_url,
+                                rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=spec.timeout))
+        self.gang = join(tuple(spec.rendezvous_at), self.rank, self.world_size, spec.secret, timeout=spec.timeout)
+        model = load_model(spec.checkpoint, dtype=config.dtype, device=config.device)
+        model.shard_experts(ExpertParallel(spec.slots_per_rank, expert_ranks=range(*spec.expert_ranks)),
+                            torch.tensor(spec.phy2log))
+        return model, config
+
+    def _start(self) -> None:
+        threading.Thread(target=self._loop, daemon=True, name=f"{self.role}-{self.rank}").start()
+
+    def wake(self) -> None:
+        """Resume stepping (new work somewhere in the gang); raises if this member's gang failed."""
+        if self.error:
+            raise RuntimeError(self.error)
+        self._wake.set()
+
+    def ping(self) -> dict:
+        """Liveness and where this member runs: role, rank, pid, node labels, CPU seconds used."""
+        import ray
+
+        return {"role": self.role, "rank": self.rank, "pid": os.getpid(), "error": self.error,
+                "labels": ray.get_runtime_context().get_node_labels(), "cpu_s": time.process_time()}
+
+    def stats(self) -> dict:
+        """Role, rank, this member's counters, and seconds per step phase (with RACKSERVE_PROFILE=1)."""
+        return {"role": self.role, "rank": self.rank, **self._stats(), "phases": timing.totals()}
+
+    def _stats(self) -> dict:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+
+    def _step(self) -> bool:
+        """One gang step; True while some member of the gang has work."""
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                if not self._step():  # no member had work: sleep until someone submits
+                    self._wake.wait()
+                    self._wake.clear()
+        except Exception as e:  # a dead peer or transport error: fail the waiting callers clearly
+            traceback.print_exc()  # the full story goes to this actor's log
+            with self._lock:
+                self.error = (f"{self.role} {self.rank} of {self.world_size}: the gang failed "
+                              f"({type(e).__name__}: {e})")
+                self._lock.notify_all()
+        finally:
+            if self.gang is not None:
+                self.gang.close()

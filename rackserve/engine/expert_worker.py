@@ -1,0 +1,41 @@
+"""An expert rank of attention–FFN split mode: routed-expert slots of every MoE layer, no attention.
+
+The attention (DP) ranks run the model; at each MoE layer they dispatch tokens to the ranks holding
+the chosen experts. An expert rank holds slots only, so its step is: the host sync, then for each
+forward pass the gang runs, its part of every MoE layer in order, then EPLB when due, exactly as
+the DP ranks' engines do it, so every exchange of the gang is matched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rackserve.config import EngineConfig
+from rackserve.engine.gang import ExpertBalancer, Gang, sync
+from rackserve.model.moe import MoE
+from rackserve.timing import phase
+
+
+class ExpertWorker:
+    def __init__(self, layers: list[MoE], gang: Gang, config: EngineConfig):
+        """layers: the model's MoE layers, already sharded to this rank's slots (`MoE.shard`)."""
+        self.layers, self.gang = layers, gang
+        self.balancer = ExpertBalancer(layers, gang, config.eplb_interval, config.eplb_min_gain)
+        self.gang_tokens = np.zeros(gang.world_size, np.int64)  # tokens each member ran in the last step
+
+    @torch.inference_mode()
+    def step(self) -> int:
+        """One gang step; returns its forward passes (0: the gang is idle)."""
+        with phase("host sync"):
+            self.gang_tokens, num_passes = sync(self.gang, 0, 0)
+        for _ in range(num_passes):
+            for layer in self.layers:
+                layer.serve_experts()
+        if num_passes:
+            with phase("eplb"):
+                self.balancer.after_step()
+        return num_passes
+
+    def stats(self) -> dict:
+        return {"steps": self.balancer.num_steps, **self.balancer.stats()}
