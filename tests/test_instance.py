@@ -6,6 +6,8 @@ gang restarts; bad configuration fails at creation."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -117,26 +119,34 @@ def test_split_instance_from_a_plan(ray_cluster, hot_checkpoint):
 
 
 @pytest.mark.slow
-def test_a_dead_dp_rank_fails_in_flight_requests_and_the_gang_restarts(ray_cluster, tiny_checkpoint):
+def test_a_dead_or_frozen_dp_rank_fails_in_flight_requests_and_the_gang_restarts(ray_cluster, tiny_checkpoint):
     inst = Instance(tiny_checkpoint, dep=2, timeout=5.0)
     try:
         assert_member_death_is_survived(inst, member=1, name="DP rank 1", checkpoint=tiny_checkpoint)
+        # a member that stops answering (its process frozen) is found by the gang's timeouts
+        assert_member_death_is_survived(inst, member=1, name="DP rank 1", checkpoint=tiny_checkpoint,
+                                        fault="freeze")
     finally:
         inst.shutdown()
 
 
-def assert_member_death_is_survived(inst: Instance, member: int, name: str, checkpoint) -> None:
+def assert_member_death_is_survived(inst: Instance, member: int, name: str, checkpoint, fault: str = "kill") -> None:
+    restarts = inst.stats()["restarts"]
     long = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
     stream = inst.stream(inst.submit(prompt(20, seed=3), long))  # lands on DP rank 0
     next(stream)
-    ray.kill(inst.members[member])
+    if fault == "kill":
+        ray.kill(inst.members[member])
+    else:
+        os.kill(inst.ping()[member]["pid"], signal.SIGSTOP)  # the restart's kill ends it
     start = time.monotonic()
     # the survivors notice at their next exchange (host sync or expert all-to-all), within the timeout
-    with pytest.raises(InstanceError, match=rf"was lost: .* instance .* failed: {name} died.*resubmit"):
+    what = "died" if fault == "kill" else "stopped answering"
+    with pytest.raises(InstanceError, match=rf"was lost: .* instance .* failed: {name} {what}.*resubmit"):
         for _ in stream:
             pass
-    assert time.monotonic() - start < 20
-    assert inst.stats()["restarts"] == 1
+    assert time.monotonic() - start < 30
+    assert inst.stats()["restarts"] == restarts + 1
     [again] = inst.generate([prompt(70, seed=52)], GREEDY)  # the restarted gang serves
     assert again["token_ids"] == single_process(checkpoint)[2]
 
