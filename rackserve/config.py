@@ -348,6 +348,12 @@ class EngineConfig:
       keep (default max_num_seqs); each costs one slot of memory.
     eplb_interval: in an expert-parallel gang, re-place the experts every this many steps (0: never).
     eplb_min_gain: keep the current expert layout unless the new one is this much more balanced.
+    max_new_kv_loads_per_step: a decode rank admits at most this many requests whose state was pushed
+      to it per step, so a burst of arrivals cannot stall the requests already decoding.
+    kv_pool_mb: the NIXL-registered memory a rank moves request state through (MiB), when it has a
+      KV agent (disaggregated prefill/decode).
+    kv_timeout_s: a reservation for pushed state expires after this long; the decode rank then
+      prefills the request itself.
     """
 
     max_num_seqs: int = 32
@@ -362,11 +368,14 @@ class EngineConfig:
     seed: int = 0
     eplb_interval: int = 0
     eplb_min_gain: float = 0.0
+    max_new_kv_loads_per_step: int = 4
+    kv_pool_mb: float = 64.0
+    kv_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.eplb_interval, int) or self.eplb_interval < 0:
             raise ConfigError(f"eplb_interval={self.eplb_interval!r} must be an integer ≥ 0 (0 turns EPLB off)")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_new_kv_loads_per_step"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -379,8 +388,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (0 if name == "prefix_snapshots" else 1)):
                 raise ConfigError(f"{name}={value!r} must be a positive integer (or omitted for the default)")
-        if not self.state_memory_mb > 0:
-            raise ConfigError(f"state_memory_mb={self.state_memory_mb!r} must be > 0")
+        for name in ("state_memory_mb", "kv_pool_mb", "kv_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be > 0")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {_DTYPES}")
 

@@ -91,3 +91,27 @@ def test_import_of_a_foreign_layout_is_refused(tiny):
     blob.tensors = blob.tensors[1:]
     with pytest.raises(ValueError, match="same model config"):
         cache.import_(blob)
+
+
+def test_state_through_bytes_continues_exactly(tiny):
+    """export_into a byte buffer (what travels over NIXL), import_from it into another cache: the
+    next tokens' logits are bit-identical to continuing in place."""
+    ids, more = prompt(77, seed=4), prompt(9, seed=5)
+    src = new_state(tiny)
+    handle = src.allocate()
+    step(tiny, src, [(handle, ids)])
+    buf = torch.zeros(src.state.blob_nbytes(handle.num_tokens) + 64, dtype=torch.uint8)  # slack is ignored
+    src.state.export_into(handle, buf)
+    assert src.state.blob_nbytes(77) == src.state.slot_bytes + src.state.pages_for(77) * src.state.page_bytes
+
+    dst = new_state(tiny)
+    dst.allocate()  # a different slot and pages than the source's
+    moved = dst.allocate()
+    assert dst.reserve(moved, 77)
+    dst.state.import_from(moved, buf, 77)
+    assert moved.num_tokens == 77
+    want = step(tiny, src, [(handle, more)], all_logits=True)
+    got = step(tiny, dst, [(moved, more)], all_logits=True)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="needs .* uint8"):
+        dst.state.import_from(moved, buf[:100], 77)

@@ -73,7 +73,7 @@ class DPRank(GangMember):
                 if out.request_id in self._outputs:
                     self._outputs[out.request_id].append(asdict(out))
             self._lock.notify_all()
-        return bool(self.engine.gang_tokens.any())
+        return bool(self.engine.gang_tokens.any()) or self.engine.gang_busy
 
     def _drain_inbox(self) -> None:
         with self._lock:

@@ -18,4 +18,4 @@ class ExpertRank(GangMember):
         return self.worker.stats()
 
     def _step(self) -> bool:
-        return self.worker.step() > 0
+        return self.worker.step() > 0 or self.worker.gang_busy

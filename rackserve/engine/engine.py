@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from dataclasses import asdict
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from rackserve.config import EngineConfig
 from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.engine.gang import ExpertBalancer, Gang, sync
+from rackserve.engine.kv_port import KVPort
 from rackserve.engine.request import Request, RequestOutput
 from rackserve.engine.runner import Runner
 from rackserve.engine.sampling import SamplingParams
@@ -20,6 +22,9 @@ from rackserve.engine.state_cache import StateCache
 from rackserve.model import DeepseekV4ForCausalLM
 from rackserve.model.tokenizer import Tokenizer
 from rackserve.timing import phase
+from rackserve.transfer.kv import KVAgent, KVReservation
+
+KV_POLL_S = 0.001  # how long an engine with nothing to run but transfers pending sleeps per step
 
 
 class RequestError(ValueError):
@@ -28,9 +33,11 @@ class RequestError(ValueError):
 
 class Engine:
     def __init__(self, model: DeepseekV4ForCausalLM, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig | None = None, gang: Gang | None = None):
+                 config: EngineConfig | None = None, gang: Gang | None = None, kv: KVAgent | None = None):
         """`gang`: when this engine is one DP rank of an instance whose MoE layers exchange tokens
-        (expert parallel), the other ranks to step in lockstep with; see `step`."""
+        (expert parallel), the other ranks to step in lockstep with; see `step`. `kv`: this rank's
+        NIXL agent, for prefilling requests for other ranks (`add_request(push_to=…)`) and decoding
+        requests other ranks prefilled (`reserve_push`)."""
         self.model, self.tokenizer, self.gang = model, tokenizer, gang
         self.config = (config or EngineConfig()).resolve(model.config)
         c = self.config
@@ -51,16 +58,41 @@ class Engine:
             self.cache.reserve(self.runner.dummy, 1)
             self.balancer = ExpertBalancer(model.moe_layers, gang, c.eplb_interval, c.eplb_min_gain)
         self.gang_tokens = np.zeros(0, np.int64)  # tokens each gang member ran in the last step
+        self.gang_busy = False  # whether some member waits on a transfer (the gang must keep stepping)
+        self.kv = KVPort(kv, self.cache, c.kv_timeout_s) if kv is not None else None
         self._seeds = random.Random(c.seed)
         self._ids = itertools.count()
         self.eos_ids = tuple(model.config.eos_token_ids)
         self.num_steps = 0
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Request:
-        """Queue a request (text needs a tokenizer); raises `RequestError` for input it cannot serve."""
+                    request_id: str | None = None, push_to: KVReservation | None = None) -> Request:
+        """Queue a request (text needs a tokenizer); raises `RequestError` for input it cannot serve.
+        With `push_to`, only prefill it (and sample its first token), then push its state there."""
+        req = self._new_request(prompt, params, request_id)
+        if push_to is not None and self.kv is None:
+            raise RequestError("push_to needs an engine with a KV agent (Engine(..., kv=KVAgent(...)))")
+        req.push_to = push_to
+        self.scheduler.add(req)
+        return req
+
+    def reserve_push(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> KVReservation | None:
+        """Take a request whose prompt another rank will prefill and push here (decode side of P/D):
+        returns where to push it. None when this rank's transfer pool is full: the request is then
+        queued to prefill here. Params must carry a seed, the same as the prefill rank's."""
+        if self.kv is None:
+            raise RequestError("reserve_push needs an engine with a KV agent (Engine(..., kv=KVAgent(...)))")
+        req = self._new_request(prompt, params, request_id)
+        reservation = self.kv.reserve(req)
+        if reservation is None:
+            self.scheduler.add(req)
+        return reservation
+
+    def _new_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None) -> Request:
         params = params or SamplingParams()
-        if request_id is not None and self.scheduler.find(request_id) is not None:
+        if request_id is not None and (self.scheduler.find(request_id) is not None
+                                       or (self.kv is not None and request_id in self.kv.incoming)):
             raise RequestError(f"request id {request_id!r} is already in use; ids must be unique while running")
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -86,17 +118,17 @@ class Engine:
             detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
                                            skip_special_tokens=params.skip_special_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        req = Request(request_id or f"req-{next(self._ids)}", ids, params, seed, arrival=next(self._ids),
-                      eos_ids=self.eos_ids, detokenizer=detok)
-        self.scheduler.add(req)
-        return req
+        return Request(request_id or f"req-{next(self._ids)}", ids, params, seed, arrival=next(self._ids),
+                       eos_ids=self.eos_ids, detokenizer=detok)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its state; False if it is not in the engine."""
+        if self.kv is not None and self.kv.cancel(request_id) is not None:
+            return True
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.kv is not None and self.kv.pending)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -106,24 +138,62 @@ class Engine:
         tokens per rank, forward passes) makes every rank run the same number of forwards, dummy
         ones where it has no work, or all of them skip the step when no rank has work.
         """
+        loaded = self._load_pushed() if self.kv is not None else []
         with phase("schedule"):
             out = self.scheduler.schedule()
             passes = self.runner.plan(out)
-        num_passes = len(passes)
+        num_passes, busy = len(passes), self.kv is not None and self.kv.pending
         if self.gang is not None:
             with phase("host sync"):
-                self.gang_tokens, num_passes = sync(self.gang, out.num_tokens, num_passes)
+                self.gang_tokens, num_passes, self.gang_busy = sync(self.gang, out.num_tokens, num_passes, busy)
+                busy = self.gang_busy
         if num_passes == 0:
-            return []
+            if self.kv is not None:
+                self.kv.progress()
+            if busy and not loaded:
+                time.sleep(KV_POLL_S)  # nothing to compute until a transfer lands: yield the CPU
+            return loaded
         with phase("forward other"):  # what attention, expert and sampling phases leave of the forward
             result = self.runner.execute(out, passes, num_passes)
         self.num_steps += 1
         with phase("update"):
-            outputs = self.scheduler.update(out, result)
+            outputs = loaded + self.scheduler.update(out, result)
+        if self.kv is not None:
+            self._push_prefilled()
         if self.balancer is not None:
             with phase("eplb"):
                 self.balancer.after_step()
         return outputs
+
+    def _load_pushed(self) -> list[RequestOutput]:
+        """Decode side of P/D: prefill locally what failed to arrive, then admit at most
+        `max_new_kv_loads_per_step` arrived states, each emitting its first token."""
+        for req in self.kv.poll():
+            self.scheduler.add(req)
+        outputs = []
+        for inc in self.kv.arrived()[: self.config.max_new_kv_loads_per_step]:
+            if len(self.scheduler.running) >= self.config.max_num_seqs:
+                break
+            handle = self.cache.allocate()
+            if handle is None:
+                break
+            if not self.cache.reserve(handle, inc.request.num_prompt + 1):
+                self.cache.free(handle)
+                break
+            self.kv.load(inc, handle)
+            self.cache.commit(handle, inc.request.token_ids)  # its full blocks join the local prefix cache
+            token, logprobs, inc.request.num_cached = inc.first
+            outputs.append(self.scheduler.admit_loaded(inc.request, handle, token, logprobs))
+        return outputs
+
+    def _push_prefilled(self) -> None:
+        """Prefill side of P/D: send the state of every request prefilled this step, free it."""
+        for req in self.scheduler.pushed:
+            self.kv.push(req)
+            self.cache.free(req.handle)
+            req.handle = None
+        self.scheduler.pushed.clear()
+        self.kv.progress()
 
     def stats(self) -> dict:
         """Counters: prefix-cache hits and skipped tokens, evictions, preemptions, state memory."""
@@ -134,6 +204,7 @@ class Engine:
             "state_bytes_in_use": self.cache.bytes_in_use,
             "state_bytes_total": self.cache.bytes_total,
             **(self.balancer.stats() if self.balancer else {}),
+            **({f"kv_{k}": v for k, v in asdict(self.kv.stats).items()} if self.kv else {}),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }

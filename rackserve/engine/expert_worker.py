@@ -23,12 +23,13 @@ class ExpertWorker:
         self.layers, self.gang = layers, gang
         self.balancer = ExpertBalancer(layers, gang, config.eplb_interval, config.eplb_min_gain)
         self.gang_tokens = np.zeros(gang.world_size, np.int64)  # tokens each member ran in the last step
+        self.gang_busy = False  # whether a DP rank waits on a transfer (the gang keeps stepping)
 
     @torch.inference_mode()
     def step(self) -> int:
-        """One gang step; returns its forward passes (0: the gang is idle)."""
+        """One gang step; returns its forward passes (see `gang_busy` when 0)."""
         with phase("host sync"):
-            self.gang_tokens, num_passes = sync(self.gang, 0, 0)
+            self.gang_tokens, num_passes, self.gang_busy = sync(self.gang, 0, 0)
         for _ in range(num_passes):
             for layer in self.layers:
                 layer.serve_experts()

@@ -24,15 +24,16 @@ class Gang(Protocol):
     def allreduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray: ...
 
 
-def sync(gang: Gang, num_tokens: int, num_passes: int) -> tuple[np.ndarray, int]:
-    """The gang's host sync: one all-reduce (max) of a `[world_size + 1]` int vector.
+def sync(gang: Gang, num_tokens: int, num_passes: int, busy: bool = False) -> tuple[np.ndarray, int, bool]:
+    """The gang's host sync: one all-reduce (max) of a `[world_size + 2]` int vector.
 
     Returns (tokens each member scheduled this step `[world_size]`, the most forward passes any
-    member needs: 0 means the whole gang is idle)."""
-    vec = np.zeros(gang.world_size + 1, np.int64)
-    vec[gang.rank], vec[-1] = num_tokens, num_passes
+    member needs, whether any member is `busy` waiting on a transfer). No passes and nobody busy:
+    the whole gang is idle."""
+    vec = np.zeros(gang.world_size + 2, np.int64)
+    vec[gang.rank], vec[-2], vec[-1] = num_tokens, num_passes, busy
     vec = gang.allreduce(vec, "max")
-    return vec[:-1], int(vec[-1])
+    return vec[:-2], int(vec[-2]), bool(vec[-1])
 
 
 class ExpertBalancer:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.engine.sampling import SamplingParams
 from rackserve.engine.state_cache import CacheHandle
+from rackserve.transfer.kv import KVReservation
 
 
 class Status(enum.Enum):
@@ -39,9 +40,10 @@ class Request:
     num_cached: int = 0  # prompt tokens served by the prefix cache at first admission
     handle: CacheHandle | None = None
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "pushed" (prefill done, state sent)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
+    push_to: KVReservation | None = None  # prefill only, then push the state to this decode rank
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from rackserve.config import EngineConfig
 from rackserve.engine.request import Request, RequestOutput, Status, TokenLogprobs
-from rackserve.engine.state_cache import StateCache
+from rackserve.engine.state_cache import CacheHandle, StateCache
 
 
 @dataclass
@@ -54,6 +54,7 @@ class Scheduler:
         self.config, self.cache = config, cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.pushed: list[Request] = []  # prefilled for another rank: state held until the engine sends it
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -141,6 +142,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def admit_loaded(self, req: Request, handle: CacheHandle, token: int,
+                     logprobs: TokenLogprobs | None) -> RequestOutput:
+        """Start decoding `req`, whose prompt another rank prefilled: `handle` holds the prompt's
+        state, `token` is the first output token sampled there."""
+        req.handle, req.num_computed, req.status = handle, handle.num_tokens, Status.RUNNING
+        self.running.append(req)
+        return self._append(req, token, logprobs)
+
     # ---- update ------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         """Apply a step's results; one output per request that sampled a token (or finished)."""
@@ -163,6 +172,12 @@ class Scheduler:
         req.token_ids.append(token)
         if logprobs is not None:
             req.logprobs.append(logprobs)
+        if req.push_to is not None:  # prefill only: the decode rank takes it from here
+            self.running.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, "pushed"
+            self.pushed.append(req)
+            return RequestOutput(req.request_id, [token], "", True, "pushed", num_prompt_tokens=req.num_prompt,
+                                 num_cached_tokens=req.num_cached, num_output_tokens=1)
         reason = None
         is_eos = token in req.eos_ids and not params.ignore_eos
         text = ""

@@ -147,6 +147,40 @@ class ModelState:
             dst.index_copy_(0, index[: src.shape[0]], src.to(dst.dtype))
         req.num_tokens = blob.num_tokens
 
+    # ---- transfer as bytes (a registered pool range: see rackserve.transfer.kv) ----------------------
+    def blob_nbytes(self, num_tokens: int) -> int:
+        """Bytes of the exported state of a request holding `num_tokens` tokens."""
+        return self.slot_bytes + self.pages_for(num_tokens) * self.page_bytes
+
+    def export_into(self, req: RequestState, buf: torch.Tensor) -> None:
+        """`export(req)` written straight into `buf` (uint8 `[blob_nbytes(req.num_tokens)]`, on the
+        state's device), piece after piece in the blob's order: one copy, no temporaries."""
+        slot_t, page_t = self.pieces()
+        views = self._views(buf, req.num_tokens)
+        for view, t in zip(views, slot_t):
+            view.copy_(t[req.slot])
+        index = torch.tensor(req.pages[: self.pages_for(req.num_tokens)], dtype=torch.long, device=buf.device)
+        for view, t in zip(views[len(slot_t):], page_t):
+            torch.index_select(t, 0, index, out=view)
+
+    def import_from(self, req: RequestState, buf: torch.Tensor, num_tokens: int) -> None:
+        """`write` from bytes laid out by `export_into` (the request holds the pages it needs)."""
+        self.write(req, StateBlob(num_tokens, self._views(buf, num_tokens)))
+
+    def _views(self, buf: torch.Tensor, num_tokens: int) -> list[torch.Tensor]:
+        """Typed views of `buf`, one per blob tensor, for a request of `num_tokens` tokens."""
+        if buf.dtype != torch.uint8 or buf.numel() < self.blob_nbytes(num_tokens):
+            raise ValueError(f"the buffer holds {buf.numel()} {buf.dtype} elements; a state of {num_tokens} tokens "
+                             f"needs {self.blob_nbytes(num_tokens)} uint8")
+        slot_t, page_t = self.pieces()
+        pages = self.pages_for(num_tokens)
+        views, offset = [], 0
+        for t, shape in [(t, t.shape[1:]) for t in slot_t] + [(t, (pages, *t.shape[1:])) for t in page_t]:
+            nbytes = torch.Size(shape).numel() * t.element_size()
+            views.append(buf[offset:offset + nbytes].view(t.dtype).view(shape))
+            offset += nbytes
+        return views
+
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy slot `src`'s rows (window and carry) into slot `dst`, for every layer."""
         for t in self.pieces()[0]:

@@ -1,0 +1,183 @@
+"""A rank's side of disaggregated prefill/decode: state pushed over NIXL (DESIGN.md, P/D).
+
+Decode side: `reserve` sets a range of the rank's registered pool aside for a request whose prompt
+another rank prefills and answers where to WRITE it (`KVReservation`); `poll` reads the
+notifications that say a state arrived (with the first token the prefill sampled), and turns
+failed or expired reservations into requests to prefill here instead (slower, never wrong);
+`load` copies an arrived state into the request's slot and pages.
+
+Prefill side: `push` exports a prefilled request's state into the pool and starts the WRITE, with a
+notification carrying [request id, ok, first token, its logprobs, prompt tokens served by a prefix
+cache]; `progress` releases the pool ranges of finished WRITEs, and tells the decode rank at once
+when one fails.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import msgpack
+
+from rackserve.engine.request import Request, TokenLogprobs
+from rackserve.engine.state_cache import CacheHandle, StateCache
+from rackserve.transfer.kv import PUSH_MARGIN_S, KVAgent, KVReservation, Transfer, TransferError
+
+
+@dataclass
+class KVStats:
+    reserved: int = 0  # reservations made (decode)
+    loaded: int = 0  # pushed states admitted (decode)
+    recomputed: int = 0  # reservations that failed or expired: prefilled locally instead (decode)
+    expired: int = 0  # of which: no transfer in time
+    pushed: int = 0  # states written to a decode rank (prefill)
+    push_failures: int = 0  # pushes that could not start or failed (prefill)
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@dataclass
+class Incoming:
+    """A reservation on the decode side; `first` is set when its state has arrived."""
+
+    request: Request
+    offset: int
+    nbytes: int
+    expires_at: float
+    first: tuple[int, TokenLogprobs | None, int] | None = None  # token, its logprobs, cached prompt tokens
+
+
+@dataclass
+class Outgoing:
+    transfer: Transfer
+    offset: int
+    request_id: str
+    peer: str
+
+
+class KVPort:
+    def __init__(self, agent: KVAgent, cache: StateCache, timeout_s: float):
+        self.agent, self.cache, self.timeout_s = agent, cache, timeout_s
+        self.incoming: dict[str, Incoming] = {}  # in reservation order
+        self.outgoing: list[Outgoing] = []
+        self._quarantine: deque[tuple[float, int]] = deque()  # (release time, offset) of expired ranges
+        self.stats = KVStats()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a transfer may still arrive or finish (the rank must keep polling)."""
+        return bool(self.incoming or self.outgoing)
+
+    # ---- decode side -------------------------------------------------------------------------------
+    def reserve(self, req: Request) -> KVReservation | None:
+        """A pool range for `req`'s prefilled state; None when the pool is full."""
+        nbytes = self.cache.state.blob_nbytes(req.num_prompt)
+        offset = self.agent.alloc(nbytes)
+        if offset is None:
+            return None
+        expires_at = time.time() + self.timeout_s
+        self.incoming[req.request_id] = Incoming(req, offset, nbytes, expires_at)
+        self.stats.reserved += 1
+        return KVReservation(req.request_id, self.agent.region(offset, nbytes), expires_at)
+
+    def poll(self) -> list[Request]:
+        """Take in notifications; returns the requests whose transfer failed or expired, to be
+        prefilled here."""
+        now = time.time()
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self.agent.free(self._quarantine.popleft()[1])
+        lost = []
+        for _, message in self.agent.notifications():
+            request_id, ok, token, logprobs, num_cached = msgpack.unpackb(message)
+            inc = self.incoming.get(request_id)
+            if inc is None or inc.first is not None:  # a late answer to a reservation given up
+                continue
+            if ok:
+                inc.first = (token, _logprobs_from_wire(logprobs), num_cached)
+            else:
+                lost.append(self.cancel(request_id))
+        for request_id, inc in list(self.incoming.items()):
+            if inc.first is None and now > inc.expires_at:
+                self.stats.expired += 1
+                lost.append(self.cancel(request_id))
+        self.stats.recomputed += len(lost)
+        return lost
+
+    def arrived(self) -> list[Incoming]:
+        """Reservations whose state is here, oldest first."""
+        return [inc for inc in self.incoming.values() if inc.first is not None]
+
+    def load(self, inc: Incoming, handle: CacheHandle) -> None:
+        """Copy an arrived state into `handle` (holding pages for the prompt) and release its range."""
+        self.cache.state.import_from(handle, self.agent.view(inc.offset, inc.nbytes), inc.request.num_prompt)
+        del self.incoming[inc.request.request_id]
+        self.agent.free(inc.offset)
+        self.stats.loaded += 1
+        self.stats.bytes_in += inc.nbytes
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Give up a reservation (failed, expired or aborted); its range stays out of use for one more
+        timeout, in case a WRITE is still on its way."""
+        inc = self.incoming.pop(request_id, None)
+        if inc is None:
+            return None
+        self._quarantine.append((time.time() + self.timeout_s, inc.offset))
+        return inc.request
+
+    # ---- prefill side ------------------------------------------------------------------------------
+    def push(self, req: Request) -> None:
+        """Start writing `req`'s state (its handle still held; free it after this returns) to the
+        decode rank of `req.push_to`, with its first token."""
+        res, handle = req.push_to, req.handle
+        nbytes = self.cache.state.blob_nbytes(handle.num_tokens)
+        logprobs = req.logprobs[-1] if req.logprobs else None
+        note = [req.request_id, True, req.token_ids[-1], _logprobs_to_wire(logprobs), req.num_cached]
+        offset = None
+        # a size mismatch means a differently configured decode rank; a late start could outlive the range
+        if nbytes == res.region.nbytes and time.time() <= res.expires_at - PUSH_MARGIN_S:
+            offset = self.agent.alloc(nbytes)
+        if offset is None:
+            self._push_failed(req.request_id, res.region.agent)
+            return
+        self.cache.state.export_into(handle, self.agent.view(offset, nbytes))
+        try:
+            transfer = self.agent.write(offset, res.region, notif=msgpack.packb(note))
+        except TransferError:
+            self.agent.free(offset)
+            self._push_failed(req.request_id, res.region.agent)
+            return
+        self.outgoing.append(Outgoing(transfer, offset, req.request_id, res.region.agent))
+
+    def progress(self) -> None:
+        """Release the ranges of finished WRITEs; report failed ones to their decode rank."""
+        still = []
+        for out in self.outgoing:
+            try:
+                done = self.agent.poll(out.transfer)
+            except TransferError:
+                self.agent.free(out.offset)
+                self._push_failed(out.request_id, out.peer)
+                continue
+            if done:
+                self.agent.free(out.offset)
+                self.stats.pushed += 1
+                self.stats.bytes_out += out.transfer.nbytes
+            else:
+                still.append(out)
+        self.outgoing = still
+
+    def _push_failed(self, request_id: str, peer: str) -> None:
+        self.stats.push_failures += 1
+        try:  # the decode rank recomputes at once instead of waiting for the reservation to expire
+            self.agent.notify(peer, msgpack.packb([request_id, False, None, None, 0]))
+        except Exception:  # noqa: BLE001 - an unreachable peer will let the reservation expire instead
+            pass
+
+
+def _logprobs_to_wire(lp: TokenLogprobs | None) -> list | None:
+    return None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+
+
+def _logprobs_from_wire(fields: list | None) -> TokenLogprobs | None:
+    return None if fields is None else TokenLogprobs(fields[0], fields[1], [tuple(t) for t in fields[2]])

@@ -1,0 +1,118 @@
+"""Prefill/decode disaggregation between two engines in one process, over real NIXL (UCX, host
+memory): the decode engine reserves, the prefill engine prefills, samples the first token and
+pushes the state, the decode engine admits it and decodes. Outputs must equal the single engine's;
+a burst is admitted a few per step while running requests keep decoding; failed and expired
+transfers are recomputed locally."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from conftest import prompt
+from rackserve.config import EngineConfig
+from rackserve.engine import LLM, Engine, SamplingParams
+from rackserve.model import load_model
+from rackserve.transfer.kv import KVAgent, TransferError
+
+_names = itertools.count()
+
+
+def pair(checkpoint, **engine_kwargs):
+    """(prefill engine, decode engine), each with its own KV agent; the prefill one knows the decode one."""
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=96, **engine_kwargs)
+    n = next(_names)
+    prefill = Engine(load_model(checkpoint), config=config, kv=KVAgent(f"test-prefill-{n}", 8 << 20))
+    decode = Engine(load_model(checkpoint), config=config, kv=KVAgent(f"test-decode-{n}", 8 << 20))
+    prefill.kv.agent.add_peer(decode.kv.agent.metadata())
+    return prefill, decode
+
+
+def run(prefill: Engine, decode: Engine, work: dict, max_steps: int = 2000) -> tuple[dict, list[list]]:
+    """Step both until done; returns (token ids per request id, decode outputs per decode step)."""
+    tokens, steps = {rid: [] for rid in work}, []
+    for _ in range(max_steps):
+        if not (prefill.has_unfinished() or decode.has_unfinished()):
+            return tokens, steps
+        prefill.step()  # its outputs are internal ("pushed"); users see the decode rank's
+        outs = decode.step()
+        steps.append(outs)
+        for out in outs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError("did not finish")
+
+
+def submit(prefill: Engine, decode: Engine, rid: str, ids: list[int], params: SamplingParams) -> None:
+    reservation = decode.reserve_push(ids, params, request_id=rid)
+    assert reservation is not None
+    prefill.add_request(ids, params, request_id=rid, push_to=reservation)
+
+
+WORK = {f"r{i}": (prompt(n, seed=30 + i), SamplingParams(max_tokens=m, temperature=t, seed=7 + i, ignore_eos=True))
+        for i, (n, m, t) in enumerate([(5, 9, 0.0), (61, 4, 0.0), (130, 12, 0.0), (33, 1, 0.0), (47, 10, 0.9)])}
+
+
+def expected(checkpoint, work: dict) -> dict:
+    done = LLM(checkpoint).generate([ids for ids, _ in work.values()], [p for _, p in work.values()])
+    return {rid: c.token_ids for rid, c in zip(work, done, strict=True)}
+
+
+def test_pushed_state_decodes_exactly_like_the_single_engine(tiny_checkpoint):
+    prefill, decode = pair(tiny_checkpoint)
+    for rid, (ids, params) in WORK.items():
+        submit(prefill, decode, rid, ids, params)
+    got, _ = run(prefill, decode, WORK)
+    p, d = prefill.stats(), decode.stats()
+    assert got == expected(tiny_checkpoint, WORK)  # greedy and seeded sampling alike
+    assert p["kv_pushed"] == d["kv_loaded"] == d["kv_reserved"] == len(WORK)
+    assert d["kv_recomputed"] == p["kv_push_failures"] == 0
+    assert p["kv_bytes_out"] == d["kv_bytes_in"] > 0
+    assert not prefill.scheduler.running and prefill.cache.bytes_in_use <= prefill.cache.state.slot_bytes * 8
+
+
+def test_a_burst_is_admitted_a_few_per_step_while_decoding_goes_on(tiny_checkpoint):
+    prefill, decode = pair(tiny_checkpoint, max_new_kv_loads_per_step=2)
+    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    decode.add_request(prompt(20, seed=1), long, request_id="running")
+    for _ in range(3):
+        decode.step()  # prefilled locally and decoding
+    burst = {f"b{i}": (prompt(10 + i, seed=40 + i), SamplingParams(max_tokens=3, temperature=0.0, seed=1))
+             for i in range(7)}
+    for rid, (ids, params) in burst.items():
+        submit(prefill, decode, rid, ids, params)
+    prefill.step()  # the whole burst is prefilled in one step and pushed
+    _, steps = run(prefill, decode, burst)
+    firsts = [sum(out.num_output_tokens == 1 and out.request_id != "running" for out in outs) for outs in steps]
+    assert sum(firsts) == len(burst) and max(firsts) <= 2  # at most 2 admitted per step
+    decoding = [any(out.request_id == "running" for out in outs) for outs in steps[:len(burst) // 2 + 1]]
+    assert all(decoding)  # the running request got a token in every step of the burst's admission
+
+
+def test_failed_and_expired_transfers_are_recomputed_on_the_decode_rank(tiny_checkpoint, monkeypatch):
+    prefill, decode = pair(tiny_checkpoint, kv_timeout_s=2.0)
+    work = dict(itertools.islice(WORK.items(), 3))
+    ids, params = work["r0"]
+    submit(prefill, decode, "r0", ids, params)
+    ids, params = work["r1"]
+    decode.reserve_push(ids, params, request_id="r1")  # its prefill rank never answers: expires
+    calls = []
+
+    def write(*args, **kwargs):  # the injected fault: the NIXL write fails to start
+        calls.append(args)
+        raise TransferError("injected")
+
+    monkeypatch.setattr(prefill.kv.agent, "write", write)
+    ids, params = work["r2"]
+    submit(prefill, decode, "r2", ids, params)
+    got, _ = run(prefill, decode, work, max_steps=100_000)
+    assert got == expected(tiny_checkpoint, work)
+    assert len(calls) == prefill.stats()["kv_push_failures"] == 2  # r0 and r2; r1 never reached prefill
+    d = decode.stats()
+    assert d["kv_recomputed"] == 3 and d["kv_expired"] == 1 and d["kv_loaded"] == 0
+
+
+def test_requests_that_cannot_be_pushed_are_refused_clearly(tiny_checkpoint):
+    plain = Engine(load_model(tiny_checkpoint))
+    with pytest.raises(ValueError, match="needs an engine with a KV agent"):
+        plain.reserve_push(prompt(5, seed=1), SamplingParams(seed=1))
