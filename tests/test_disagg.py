@@ -116,3 +116,52 @@ def test_requests_that_cannot_be_pushed_are_refused_clearly(tiny_checkpoint):
     plain = Engine(load_model(tiny_checkpoint))
     with pytest.raises(ValueError, match="needs an engine with a KV agent"):
         plain.reserve_push(prompt(5, seed=1), SamplingParams(seed=1))
+
+
+def test_a_second_turn_reads_its_history_from_the_kv_store(tiny_checkpoint):
+    """Turn 1 goes through P/D; the decode rank writes prompt + answer to the store when it finishes.
+    Turn 2 (turn 1's prompt + answer + new text) reads that prefix and prefills only the rest."""
+    from rackserve.engine.prefix_store import PrefixStore
+
+    prefill, decode = pair(tiny_checkpoint)
+    store = PrefixStore(prefill.model.config, prefill.cache.block_size, KVAgent(f"test-store-{next(_names)}", 8 << 20),
+                        memory_mb=16, inbox_bytes=1 << 20)
+    for engine in (prefill, decode):
+        engine.attach_store(store.agent.metadata(), store.add_writer(engine.kv.agent.metadata()))
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, seed=3)
+    turn1 = prompt(45, seed=8)
+    submit(prefill, decode, "t1", turn1, greedy)
+    got1, _ = run_with_store(prefill, decode, store)
+    turn2 = turn1 + got1["t1"] + prompt(11, seed=9)
+    assert store.stats.puts >= 1
+
+    hit = store.lookup(turn2)
+    assert hit is not None
+    cached, where = hit
+    block = prefill.cache.block_size
+    assert cached == (len(turn1) + len(got1["t1"]) - 1) // block * block  # up to the answer's last boundary
+    reservation = decode.reserve_push(turn2, greedy, request_id="t2")
+    prefill.add_request(turn2, greedy, request_id="t2", push_to=reservation, cached=(cached, where))
+    got2, finals = run_with_store(prefill, decode, store)
+    assert got2["t2"] == LLM(tiny_checkpoint).generate([turn2], greedy)[0].token_ids
+    assert finals["t2"].num_cached_tokens == cached  # the prefill rank computed only the new tokens
+    assert prefill.stats()["kv_pulled_tokens"] == cached
+    assert store.stats.pinned == 0  # the reader released what it read
+
+
+def run_with_store(prefill: Engine, decode: Engine, store) -> tuple[dict, dict]:
+    tokens, finals = {}, {}
+    for _ in range(2000):
+        store.poll()  # the store actor's progress loop
+        if not (prefill.has_unfinished() or decode.has_unfinished()):
+            for _ in range(20):  # let the last puts and releases land
+                store.poll()
+                prefill.step()
+                decode.step()
+            return tokens, finals
+        prefill.step()
+        for out in decode.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+    raise AssertionError("did not finish")

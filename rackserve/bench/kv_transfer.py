@@ -19,8 +19,9 @@ a separate step of our design and is not timed. Per size, `--repeats` rounds of 
   Ray's task dispatch is part of this path, as it would be in serving.
 * memcpy, the ceiling: `dst.copy_(src)` of preallocated uint8 tensors in the driver, on one torch
   thread (a transfer is one stream of copies; on a busy host a second thread's preemption stalls a
-  copy by a scheduler slice), before the actors start (an idle KVAgent's UCX progress thread polls,
-  and the table prints how many cores the two take).
+  copy by a scheduler slice). Each sample copies a different slice of 128 MiB+ buffers, so small
+  sizes are not measured cache-hot: state to transfer has usually left the caches. The table also
+  prints the CPU the two idle agents use (they poll only when asked: no progress thread).
 
 Latencies are medians in ms (the host is shared and noisy); bandwidth = bytes / latency in GB/s
 (1 GB = 1e9 bytes). Also printed: a request's state per token (bytes) at the engine's default block
@@ -57,7 +58,6 @@ def _next_notif(agent: KVAgent, timeout_s: float = 60.0) -> bytes:
     while time.monotonic() < deadline:
         if got := agent.notifications():
             return got[0][1]
-        time.sleep(0)  # yield, as KVAgent.wait does: UCX's progress thread needs the core too
     raise TimeoutError(f"{agent.name}: no notification within {timeout_s:.0f} s")
 
 
@@ -75,7 +75,7 @@ class _Side:
         return self.agent.metadata()
 
     def cpu_seconds(self) -> float:
-        return time.process_time()  # all threads, NIXL's progress thread included
+        return time.process_time()  # all of the actor's threads
 
     def fill(self, nbytes: int, seed: int) -> None:
         self.agent.view(0, nbytes).copy_(_pattern(nbytes, seed))
@@ -115,17 +115,20 @@ class _Side:
         return time.time() - start
 
 
-def memcpy_times(sizes_mib: list[int], repeats: int) -> dict[int, float]:
-    """{MiB: median seconds of `dst.copy_(src)` on one thread}."""
+def memcpy_times(sizes_mib: list[int], repeats: int, span_mib: int = 128) -> dict[int, float]:
+    """{MiB: median seconds of `dst.copy_(src)` on one thread}, each sample on the next slice of
+    buffers of at least `span_mib` (beyond the last-level cache), so no sample starts cache-hot."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    src, dst = _pattern(max(sizes_mib) << 20, 0), torch.zeros(max(sizes_mib) << 20, dtype=torch.uint8)
+    span = max(max(sizes_mib), span_mib) << 20
+    src, dst = _pattern(span, 0), torch.zeros(span, dtype=torch.uint8)
     times = {}
     for mib in sizes_mib:
-        samples = []
-        for _ in range(repeats + 1):  # the first, untimed, warms the caches
+        n, samples = mib << 20, []
+        for i in range(repeats + 1):  # the first, untimed, faults the pages in
+            at = i % (span // n) * n
             t0 = time.perf_counter()
-            dst[:mib << 20].copy_(src[:mib << 20])
+            dst[at:at + n].copy_(src[at:at + n])
             samples.append(time.perf_counter() - t0)
         times[mib] = statistics.median(samples[1:])
     torch.set_num_threads(threads)
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"one request's state, sender actor -> receiver actor on one host ({os.cpu_count()} CPU cores, "
           f"memcpy on 1 torch thread); median of {args.repeats} rounds")
-    print(f"the two actors, idle, use {idle_cores:.2f} CPU cores (NIXL's UCX progress threads poll)")
+    print(f"the two actors, idle, use {idle_cores:.2f} CPU cores")
     print(f"target: {TARGET}\n")
     header = (f"{'MiB':>4} {'NIXL ms':>8} {'GB/s':>6} {'objst ms':>9} {'GB/s':>6} {'memcpy ms':>9} {'GB/s':>6} "
               f"{'NIXL/memcpy':>11} {'NIXL/objst':>10}  target")

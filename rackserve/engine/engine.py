@@ -22,7 +22,7 @@ from rackserve.engine.state_cache import StateCache
 from rackserve.model import DeepseekV4ForCausalLM
 from rackserve.model.tokenizer import Tokenizer
 from rackserve.timing import phase
-from rackserve.transfer.kv import KVAgent, KVReservation
+from rackserve.transfer.kv import KVAgent, KVReservation, RemoteRegion
 
 KV_POLL_S = 0.001  # how long an engine with nothing to run but transfers pending sleeps per step
 
@@ -66,15 +66,24 @@ class Engine:
         self.num_steps = 0
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, push_to: KVReservation | None = None) -> Request:
+                    request_id: str | None = None, push_to: KVReservation | None = None,
+                    cached: tuple[int, RemoteRegion] | None = None) -> Request:
         """Queue a request (text needs a tokenizer); raises `RequestError` for input it cannot serve.
-        With `push_to`, only prefill it (and sample its first token), then push its state there."""
+        With `push_to`, only prefill it (and sample its first token), then push its state there.
+        `cached`: (tokens, where) of a prefix of it in a KV store (`PrefixStore.lookup`), read first."""
         req = self._new_request(prompt, params, request_id)
-        if push_to is not None and self.kv is None:
-            raise RequestError("push_to needs an engine with a KV agent (Engine(..., kv=KVAgent(...)))")
+        if (push_to is not None or cached is not None) and self.kv is None:
+            raise RequestError("push_to and cached need an engine with a KV agent (Engine(..., kv=KVAgent(...)))")
         req.push_to = push_to
-        self.scheduler.add(req)
+        if cached is None or not self.kv.pull(req, *cached):
+            self.scheduler.add(req)
         return req
+
+    def attach_store(self, agent_metadata: bytes, inbox: RemoteRegion) -> None:
+        """Use a KV store (its agent's metadata, and this rank's inbox there from `add_writer`):
+        prefixes of finished and pushed requests are written to it."""
+        self.kv.attach_store(self.kv.agent.add_peer(agent_metadata), inbox)
+        self.scheduler.on_finish = self.kv.put
 
     def reserve_push(self, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: str | None = None) -> KVReservation | None:
@@ -177,19 +186,26 @@ class Engine:
             handle = self.cache.allocate()
             if handle is None:
                 break
-            if not self.cache.reserve(handle, inc.request.num_prompt + 1):
+            num_tokens = inc.num_tokens if inc.pulled else inc.request.num_prompt
+            if not self.cache.reserve(handle, num_tokens + 1):
                 self.cache.free(handle)
                 break
+            req = inc.request
             self.kv.load(inc, handle)
-            self.cache.commit(handle, inc.request.token_ids)  # its full blocks join the local prefix cache
-            token, logprobs, inc.request.num_cached = inc.first
-            outputs.append(self.scheduler.admit_loaded(inc.request, handle, token, logprobs))
+            self.cache.commit(handle, req.token_ids)  # its full blocks join the local prefix cache
+            if inc.pulled:  # a cached prefix: prefill goes on from there
+                req.num_cached = num_tokens
+                self.scheduler.admit_loaded(req, handle)
+            else:
+                token, logprobs, req.num_cached = inc.first
+                outputs.append(self.scheduler.admit_loaded(req, handle, token, logprobs))
         return outputs
 
     def _push_prefilled(self) -> None:
         """Prefill side of P/D: send the state of every request prefilled this step, free it."""
         for req in self.scheduler.pushed:
             self.kv.push(req)
+            self.kv.put(req)
             self.cache.free(req.handle)
             req.handle = None
         self.scheduler.pushed.clear()

@@ -7,9 +7,13 @@ failed or expired reservations into requests to prefill here instead (slower, ne
 `load` copies an arrived state into the request's slot and pages.
 
 Prefill side: `push` exports a prefilled request's state into the pool and starts the WRITE, with a
-notification carrying [request id, ok, first token, its logprobs, prompt tokens served by a prefix
+notification ["pushed", request id, ok, first token, its logprobs, prompt tokens served by a prefix
 cache]; `progress` releases the pool ranges of finished WRITEs, and tells the decode rank at once
 when one fails.
+
+With a KV store (`attach_store`, see `prefix_store.py`): `pull` READs a cached prefix of a new
+request before it is prefilled (it then waits in `incoming` like a pushed state); `put` WRITEs the
+longest snapshotted prefix of a request into this rank's inbox at the store.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import msgpack
 
 from rackserve.engine.request import Request, TokenLogprobs
 from rackserve.engine.state_cache import CacheHandle, StateCache
-from rackserve.transfer.kv import PUSH_MARGIN_S, KVAgent, KVReservation, Transfer, TransferError
+from rackserve.transfer.kv import ALIGN, PUSH_MARGIN_S, KVAgent, KVReservation, RemoteRegion, Transfer, TransferError
+from rackserve.transfer.pool import RangeAllocator
 
 
 @dataclass
@@ -33,27 +38,53 @@ class KVStats:
     expired: int = 0  # of which: no transfer in time
     pushed: int = 0  # states written to a decode rank (prefill)
     push_failures: int = 0  # pushes that could not start or failed (prefill)
+    pulled: int = 0  # cached prefixes read from the KV store
+    pulled_tokens: int = 0
+    pull_failures: int = 0  # reads that failed: the request is prefilled from scratch
+    puts: int = 0  # prefixes written to the KV store
     bytes_in: int = 0
     bytes_out: int = 0
 
 
 @dataclass
 class Incoming:
-    """A reservation on the decode side; `first` is set when its state has arrived."""
+    """State on its way in: a reservation on the decode side (`first` is set when it has arrived),
+    or a READ of a cached prefix (`read` in flight; done when `read` is None)."""
 
     request: Request
     offset: int
     nbytes: int
     expires_at: float
     first: tuple[int, TokenLogprobs | None, int] | None = None  # token, its logprobs, cached prompt tokens
+    read: Transfer | None = None
+    num_tokens: int = 0  # tokens of a pulled prefix
+    source: RemoteRegion | None = None
+
+    @property
+    def pulled(self) -> bool:
+        return self.source is not None
+
+    @property
+    def ready(self) -> bool:
+        return self.read is None if self.pulled else self.first is not None
+
+
+@dataclass
+class StoreLink:
+    """This rank's way to a KV store: the store agent's name and this rank's inbox there."""
+
+    agent: str
+    inbox: RemoteRegion
+    ranges: RangeAllocator
 
 
 @dataclass
 class Outgoing:
     transfer: Transfer
     offset: int
-    request_id: str
+    request_id: str  # of a push; "" for a put to the KV store
     peer: str
+    store_offset: int = -1  # a put's range in this rank's inbox
 
 
 class KVPort:
@@ -62,7 +93,12 @@ class KVPort:
         self.incoming: dict[str, Incoming] = {}  # in reservation order
         self.outgoing: list[Outgoing] = []
         self._quarantine: deque[tuple[float, int]] = deque()  # (release time, offset) of expired ranges
+        self.store: StoreLink | None = None
         self.stats = KVStats()
+
+    def attach_store(self, agent: str, inbox: RemoteRegion) -> None:
+        """Use the KV store `agent` (already a peer) through `inbox` (from `PrefixStore.add_writer`)."""
+        self.store = StoreLink(agent, inbox, RangeAllocator(inbox.nbytes, ALIGN))
 
     @property
     def pending(self) -> bool:
@@ -88,8 +124,13 @@ class KVPort:
         while self._quarantine and self._quarantine[0][0] <= now:
             self.agent.free(self._quarantine.popleft()[1])
         lost = []
-        for _, message in self.agent.notifications():
-            request_id, ok, token, logprobs, num_cached = msgpack.unpackb(message)
+        for peer, message in self.agent.notifications():
+            kind, *fields = msgpack.unpackb(message)
+            if kind == "freed":
+                if self.store is not None and peer == self.store.agent:
+                    self.store.ranges.free(fields[0])
+                continue
+            request_id, ok, token, logprobs, num_cached = fields
             inc = self.incoming.get(request_id)
             if inc is None or inc.first is not None:  # a late answer to a reservation given up
                 continue
@@ -98,6 +139,17 @@ class KVPort:
             else:
                 lost.append(self.cancel(request_id))
         for request_id, inc in list(self.incoming.items()):
+            if inc.read is not None:
+                try:
+                    if self.agent.poll(inc.read):
+                        inc.read = None
+                        self.agent.notify(inc.source.agent, msgpack.packb(["release", inc.source.addr]))
+                except TransferError:
+                    self.stats.pull_failures += 1
+                    self.agent.free(inc.offset)
+                    del self.incoming[request_id]
+                    lost.append(inc.request)
+                continue
             if inc.first is None and now > inc.expires_at:
                 self.stats.expired += 1
                 lost.append(self.cancel(request_id))
@@ -105,16 +157,65 @@ class KVPort:
         return lost
 
     def arrived(self) -> list[Incoming]:
-        """Reservations whose state is here, oldest first."""
-        return [inc for inc in self.incoming.values() if inc.first is not None]
+        """Incoming states that are here, oldest first."""
+        return [inc for inc in self.incoming.values() if inc.ready]
 
     def load(self, inc: Incoming, handle: CacheHandle) -> None:
-        """Copy an arrived state into `handle` (holding pages for the prompt) and release its range."""
-        self.cache.state.import_from(handle, self.agent.view(inc.offset, inc.nbytes), inc.request.num_prompt)
+        """Copy an arrived state into `handle` (holding pages for its tokens) and release its range."""
+        num_tokens = inc.num_tokens if inc.pulled else inc.request.num_prompt
+        self.cache.state.import_from(handle, self.agent.view(inc.offset, inc.nbytes), num_tokens)
         del self.incoming[inc.request.request_id]
         self.agent.free(inc.offset)
-        self.stats.loaded += 1
+        if inc.pulled:
+            self.stats.pulled += 1
+            self.stats.pulled_tokens += num_tokens
+        else:
+            self.stats.loaded += 1
         self.stats.bytes_in += inc.nbytes
+
+    # ---- KV store ------------------------------------------------------------------------------------
+    def pull(self, req: Request, num_tokens: int, source: RemoteRegion) -> bool:
+        """Start READing a cached prefix of `req` (`num_tokens` tokens at `source`); False if it
+        cannot start (the request is then prefilled from scratch)."""
+        offset = self.agent.alloc(source.nbytes) if source.nbytes == self.cache.state.blob_nbytes(num_tokens) else None
+        if offset is None:
+            self.stats.pull_failures += 1
+            return False
+        try:
+            read = self.agent.read(offset, source)
+        except TransferError:
+            self.agent.free(offset)
+            self.stats.pull_failures += 1
+            return False
+        self.incoming[req.request_id] = Incoming(req, offset, source.nbytes, float("inf"), read=read,
+                                                 num_tokens=num_tokens, source=source)
+        return True
+
+    def put(self, req: Request) -> None:
+        """WRITE the longest snapshotted prefix of `req` (its handle still held) to the KV store,
+        unless it adds nothing to what `req` found cached."""
+        prefix = self.cache.prefix_state(req.handle) if self.store is not None else None
+        if prefix is None or prefix.num_tokens <= req.num_cached:
+            return
+        nbytes = self.cache.state.blob_nbytes(prefix.num_tokens)
+        remote = self.store.ranges.alloc(nbytes)
+        local = self.agent.alloc(nbytes) if remote is not None else None
+        if local is None:
+            if remote is not None:
+                self.store.ranges.free(remote)
+            return  # the inbox or the pool is full: skip, it is only a cache
+        self.cache.state.export_into(prefix, self.agent.view(local, nbytes))
+        inbox = self.store.inbox
+        region = RemoteRegion(inbox.agent, inbox.addr + remote, nbytes, inbox.device, inbox.mem)
+        note = msgpack.packb(["put", remote, nbytes, req.token_ids[: prefix.num_tokens]])
+        try:
+            transfer = self.agent.write(local, region, notif=note)
+        except TransferError:
+            self.agent.free(local)
+            self.store.ranges.free(remote)
+            return
+        self.outgoing.append(Outgoing(transfer, local, "", inbox.agent, remote))
+        self.stats.puts += 1
 
     def cancel(self, request_id: str) -> Request | None:
         """Give up a reservation (failed, expired or aborted); its range stays out of use for one more
@@ -132,7 +233,7 @@ class KVPort:
         res, handle = req.push_to, req.handle
         nbytes = self.cache.state.blob_nbytes(handle.num_tokens)
         logprobs = req.logprobs[-1] if req.logprobs else None
-        note = [req.request_id, True, req.token_ids[-1], _logprobs_to_wire(logprobs), req.num_cached]
+        note = ["pushed", req.request_id, True, req.token_ids[-1], _logprobs_to_wire(logprobs), req.num_cached]
         offset = None
         # a size mismatch means a differently configured decode rank; a late start could outlive the range
         if nbytes == res.region.nbytes and time.time() <= res.expires_at - PUSH_MARGIN_S:
@@ -157,11 +258,14 @@ class KVPort:
                 done = self.agent.poll(out.transfer)
             except TransferError:
                 self.agent.free(out.offset)
-                self._push_failed(out.request_id, out.peer)
+                if out.request_id:
+                    self._push_failed(out.request_id, out.peer)
+                elif self.store is not None:
+                    self.store.ranges.free(out.store_offset)
                 continue
             if done:
                 self.agent.free(out.offset)
-                self.stats.pushed += 1
+                self.stats.pushed += bool(out.request_id)
                 self.stats.bytes_out += out.transfer.nbytes
             else:
                 still.append(out)
@@ -170,7 +274,7 @@ class KVPort:
     def _push_failed(self, request_id: str, peer: str) -> None:
         self.stats.push_failures += 1
         try:  # the decode rank recomputes at once instead of waiting for the reservation to expire
-            self.agent.notify(peer, msgpack.packb([request_id, False, None, None, 0]))
+            self.agent.notify(peer, msgpack.packb(["pushed", request_id, False, None, None, 0]))
         except Exception:  # noqa: BLE001 - an unreachable peer will let the reservation expire instead
             pass
 

@@ -10,6 +10,7 @@ state is freed and it is recomputed later (the prefix cache usually makes that c
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rackserve.config import EngineConfig
@@ -55,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.pushed: list[Request] = []  # prefilled for another rank: state held until the engine sends it
+        self.on_finish: Callable[[Request], None] | None = None  # sees a finished request before its state is freed
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -142,13 +144,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def admit_loaded(self, req: Request, handle: CacheHandle, token: int,
-                     logprobs: TokenLogprobs | None) -> RequestOutput:
-        """Start decoding `req`, whose prompt another rank prefilled: `handle` holds the prompt's
-        state, `token` is the first output token sampled there."""
+    def admit_loaded(self, req: Request, handle: CacheHandle, token: int | None = None,
+                     logprobs: TokenLogprobs | None = None) -> RequestOutput | None:
+        """Run `req` from state loaded into `handle`: a prompt another rank prefilled, with `token`
+        the first output token sampled there (decoding starts), or a cached prefix (prefill goes on)."""
         req.handle, req.num_computed, req.status = handle, handle.num_tokens, Status.RUNNING
         self.running.append(req)
-        return self._append(req, token, logprobs)
+        return self._append(req, token, logprobs) if token is not None else None
 
     # ---- update ------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
@@ -203,6 +205,8 @@ class Scheduler:
         )
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.handle is not None and self.on_finish is not None:
+            self.on_finish(req)
         if req.handle is not None:
             self.cache.free(req.handle)
             req.handle = None

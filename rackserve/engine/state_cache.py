@@ -174,11 +174,22 @@ class StateCache:
                 self._ref_page(handle.pages[i])
         if full and handle.num_tokens == full * b:
             block = self._blocks[handle.block_hashes[-1]]
+            if block.snapshot is None and self._num_snapshots >= self.max_snapshots:
+                self._evict_snapshot()  # the newest boundary is the likeliest to be resumed
             if block.snapshot is None and self._num_snapshots < self.max_snapshots and self._free_slots:
                 block.snapshot = self._free_slots.pop()
                 self.state.copy_slot(handle.slot, block.snapshot)
                 self._num_snapshots += 1
                 self.stats.snapshots += 1
+
+    def prefix_state(self, handle: CacheHandle) -> RequestState | None:
+        """The state at the end of `handle`'s longest cached prefix that has a snapshot: the snapshot's
+        slot with the prefix's pages (for exporting the prefix, e.g. to a KV store); None if none."""
+        for i in range(len(handle.block_hashes) - 1, -1, -1):
+            block = self._blocks.get(handle.block_hashes[i])
+            if block is not None and block.snapshot is not None:
+                return RequestState(block.snapshot, handle.pages[: i + 1], (i + 1) * self.block_size)
+        return None
 
     def _lookup(self, token_ids: list[int]) -> tuple[list[bytes], int]:
         """Hashes of the cached full blocks of `token_ids`, and the index of the last one with a snapshot."""
