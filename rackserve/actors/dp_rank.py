@@ -7,12 +7,14 @@ outputs go out through `poll`.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
 
 from rackserve.actors.gang_member import GangMember, GangSpec
 from rackserve.engine import Engine, SamplingParams
 from rackserve.model.tokenizer import Tokenizer
+from rackserve.transfer.kv import KVAgent, KVReservation, RemoteRegion
 
 
 class DPRank(GangMember):
@@ -28,18 +30,54 @@ class DPRank(GangMember):
         """Join the gang, load the model with this rank's expert slots, start the step loop."""
         model, config = self._join(spec)
         tokenizer = Tokenizer(spec.checkpoint) if (Path(spec.checkpoint) / "tokenizer.json").is_file() else None
-        self.engine = Engine(model, tokenizer, config, gang=self.gang)
+        agent = None
+        if spec.kv_name:
+            agent = KVAgent(f"{spec.kv_name}-r{self.rank}", int(config.kv_pool_mb * 2**20), config.device)
+        self.engine = Engine(model, tokenizer, config, gang=self.gang, kv=agent)
         self._start()
 
+    # ---- disaggregated prefill/decode: everything touching the engine runs in the step loop ---------
+    def kv_metadata(self) -> bytes:
+        return self.engine.kv.agent.metadata()
+
+    def kv_connect(self, peers: list[bytes], store: tuple[bytes, list] | None = None) -> None:
+        """Learn peer agents (decode ranks to push to, KV stores to read from) and attach the KV store
+        to write prefixes to: (its metadata, this rank's inbox there as a wire region)."""
+        self._call("connect", peers, store)
+
+    def reserve(self, request_id: str, prompt: str | list[int], params: dict) -> list | None:
+        """Decode side: a reservation for a request another rank prefills (wire form), or None when
+        the pool is full and this rank prefills it itself."""
+        reservation = self._call("reserve", request_id, prompt, SamplingParams.from_dict(params))
+        return reservation.to_wire() if reservation is not None else None
+
+    def _call(self, *item):
+        """Run an engine operation in the step loop (the engine is not thread-safe); its result."""
+        if self.error:
+            raise RuntimeError(self.error)
+        future = Future()
+        with self._lock:
+            self._inbox.append(("call", future, *item))
+            if item[0] == "reserve":
+                self._outputs[item[1]] = []
+        self._wake.set()
+        return future.result()
+
     # ---- requests ------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: str | list[int], params: dict) -> None:
-        """Queue a request; raises here (not in the loop) for parameters the engine cannot take."""
+    def submit(self, request_id: str, prompt: str | list[int], params: dict, push_to: list | None = None,
+               cached: tuple[int, list] | None = None) -> None:
+        """Queue a request; raises here (not in the loop) for parameters the engine cannot take.
+        `push_to`: a decode rank's reservation (wire form): prefill only and push the state there;
+        `cached`: (tokens, wire region) of a prefix of the prompt in a KV store."""
         sampling = SamplingParams.from_dict(params)
         if self.error:  # the caller learns now, before the request is lost
             raise RuntimeError(self.error)
+        extra = {"push_to": KVReservation.from_wire(push_to) if push_to else None,
+                 "cached": (cached[0], RemoteRegion.from_wire(cached[1])) if cached else None}
         with self._lock:
-            self._inbox.append(("add", request_id, prompt, sampling))
-            self._outputs[request_id] = []
+            self._inbox.append(("add", request_id, prompt, sampling, extra))
+            if push_to is None:  # a pushed request's outputs belong to its decode rank
+                self._outputs[request_id] = []
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -79,10 +117,12 @@ class DPRank(GangMember):
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for item in inbox:
-            if item[0] == "add":
-                _, request_id, prompt, sampling = item
+            if item[0] == "call":
+                self._run_call(*item[1:])
+            elif item[0] == "add":
+                _, request_id, prompt, sampling, extra = item
                 try:
-                    self.engine.add_request(prompt, sampling, request_id=request_id)
+                    self.engine.add_request(prompt, sampling, request_id=request_id, **extra)
                 except ValueError as e:
                     with self._lock:
                         self._outputs.get(request_id, []).append({"request_id": request_id, "finished": True,
@@ -90,3 +130,18 @@ class DPRank(GangMember):
                                                           "new_text": "", "new_token_ids": []})
             else:
                 self.engine.abort(item[1])
+
+    def _run_call(self, future: Future, op: str, *args) -> None:
+        try:
+            if op == "connect":
+                peers, store = args
+                for metadata in peers:
+                    self.engine.kv.agent.add_peer(metadata)
+                if store is not None:
+                    self.engine.attach_store(store[0], RemoteRegion.from_wire(store[1]))
+                future.set_result(None)
+            else:  # reserve
+                request_id, prompt, sampling = args
+                future.set_result(self.engine.reserve_push(prompt, sampling, request_id=request_id))
+        except Exception as e:  # noqa: BLE001 - handed to the caller, whose call raises it
+            future.set_exception(e)

@@ -34,7 +34,8 @@ class GangSpec:
 
     phy2log: `[num_layers][num_slots]` the logical expert of every physical slot; expert_ranks:
     (first, stop) the gang ranks holding slots, `slots_per_rank` each; timeout (s): how long a
-    peer may stay silent before a member gives up on the gang.
+    peer may stay silent before a member gives up on the gang; kv_name: when set, DP ranks get a
+    NIXL agent named `<kv_name>-r<rank>` for disaggregated prefill/decode.
     """
 
     checkpoint: str
@@ -46,6 +47,7 @@ class GangSpec:
     rendezvous_at: tuple[str, int]
     secret: str
     timeout: float
+    kv_name: str | None = None
 
 
 class GangMember:

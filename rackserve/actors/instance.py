@@ -49,12 +49,13 @@ class InstanceError(RuntimeError):
 class Instance:
     def __init__(self, model: str | Path = "tiny", dep: int = 2, expert_ranks: int = 0, redundant_slots: int = 0,
                  engine_kwargs: dict | None = None, actor_options: dict | None = None, timeout: float = 30.0,
-                 placement_group: PlacementGroup | None = None, name: str = "instance"):
+                 placement_group: PlacementGroup | None = None, name: str = "instance", kv: bool = False):
         """`dep` DP ranks; `expert_ranks` > 0: attention–FFN split mode with that many expert
         ranks; `redundant_slots`: extra expert slots (replicas) over the instance; `engine_kwargs`:
         `EngineConfig` fields of every rank; `actor_options`: Ray options of every member; with a
         `placement_group` (one bundle per member, as `placement.ray_groups` makes them) member i runs
-        in bundle i; `timeout` (s): a member silent this long fails the gang."""
+        in bundle i; `timeout` (s): a member silent this long fails the gang; `kv`: give every DP
+        rank a NIXL agent, for disaggregated prefill/decode (see `Deployment`)."""
         if not isinstance(dep, int) or dep < 1:
             raise ConfigError(f"dep={dep!r} must be an integer ≥ 1 (the number of DP ranks)")
         if not isinstance(expert_ranks, int) or expert_ranks < 0:
@@ -88,6 +89,8 @@ class Instance:
         self._failures: dict[int, str] = {}  # gang generation -> why it failed
         self._ids = itertools.count()
         self.generation = -1
+        self.on_restart = None  # called with the instance after its gang restarted (e.g. to reconnect KV peers)
+        self._kv = kv
         self._start()
 
     @classmethod
@@ -112,7 +115,8 @@ class Instance:
         host, port = ray.get(self.members[0].endpoint.remote())
         holders = (self.dep, self.world) if self.num_expert_ranks else (0, self.dep)
         spec = GangSpec(self.path, self._engine_kwargs, self._layout, self.slots_per_rank, holders,
-                        f"tcp://{host}:{port}", self._server.address, secret, self.timeout)
+                        f"tcp://{host}:{port}", self._server.address, secret, self.timeout,
+                        kv_name=f"{self.name}-{secret[:8]}" if self._kv else None)
         ray.get([m.setup.remote(spec) for m in self.members])
 
     def _actor(self, i: int):
@@ -156,6 +160,8 @@ class Instance:
     def _restart(self) -> None:
         self._kill()
         self._start()
+        if self.on_restart is not None:
+            self.on_restart(self)
 
     def _kill(self) -> None:
         for member in self.members:
@@ -163,29 +169,55 @@ class Instance:
         self._server.close()
 
     # ---- requests ------------------------------------------------------------------------------------
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> str:
-        """Queue a request on the least-loaded DP rank; returns its id. A gang found dead here is
-        restarted first, so the request is served."""
-        params = asdict(params or SamplingParams())
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+               rank: int | None = None, push_to: list | None = None, cached: tuple[int, list] | None = None) -> str:
+        """Queue a request on DP rank `rank` (default: the least loaded); returns its id. A gang
+        found dead here is restarted first, so the request is served. `push_to`/`cached`: see
+        `DPRank.submit` (disaggregated prefill)."""
+        request_id = request_id or f"{self.name}-{next(self._ids)}"
+        self._on_rank(rank, request_id, "submit", prompt, asdict(params or SamplingParams()), push_to, cached,
+                      own=push_to is None)  # a pushed request is streamed from its decode instance
+        return request_id
+
+    def reserve(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                rank: int | None = None) -> tuple[str, list | None]:
+        """Decode side of P/D: (request id, a reservation in wire form for the prefill rank, or None
+        when the rank's pool is full and it prefills the request itself). Stream it as usual."""
+        request_id = request_id or f"{self.name}-{next(self._ids)}"
+        return request_id, self._on_rank(rank, request_id, "reserve", prompt, asdict(params))
+
+    def _on_rank(self, rank: int | None, request_id: str, method: str, *args, own: bool = True):
+        """Call `method(request_id, *args)` on a DP rank, waking the whole gang; `own`: stream the
+        request from here (count it in the rank's load)."""
         with self._lock:
-            request_id = f"{self.name}-{next(self._ids)}"
             for attempt in (0, 1):
-                loads = [0] * self.dep
-                for rank, gen in self._owner.values():
-                    loads[rank] += gen == self.generation
-                rank = loads.index(min(loads))
+                if rank is None:
+                    loads = [0] * self.dep
+                    for r, gen in self._owner.values():
+                        loads[r] += gen == self.generation
+                    rank = loads.index(min(loads))
                 target = self.members[rank]
                 try:  # every member must resume stepping with it
-                    ray.get([target.submit.remote(request_id, prompt, params)] +
-                            [m.wake.remote() for m in self.members if m is not target])
+                    result, *_ = ray.get([getattr(target, method).remote(request_id, *args)] +
+                                         [m.wake.remote() for m in self.members if m is not target])
                 except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                     reason = self._fail(self.generation, e)
                     if attempt:
                         raise InstanceError(f"{reason}; a fresh gang failed too, check the members' logs") from None
                     continue
-                self._owner[request_id] = (rank, self.generation)
-                return request_id
+                if own:
+                    self._owner[request_id] = (rank, self.generation)
+                return result
         raise AssertionError("unreachable")
+
+    def kv_metadata(self) -> list[bytes]:
+        """The NIXL agent metadata of every DP rank (an instance made with `kv=True`)."""
+        return ray.get([m.kv_metadata.remote() for m in self.members[:self.dep]])
+
+    def kv_connect(self, peers: list[bytes], stores: list[tuple[bytes, list] | None] | None = None) -> None:
+        """Every DP rank learns `peers`; DP rank i writes prefixes to `stores[i]` (metadata, inbox)."""
+        stores = stores or [None] * self.dep
+        ray.get([m.kv_connect.remote(peers, store) for m, store in zip(self.members[:self.dep], stores, strict=True)])
 
     def stream(self, request_id: str) -> Iterator[dict]:
         """The request's outputs as they come: dicts with new_text, new_token_ids, finished, …;
@@ -237,10 +269,18 @@ class Instance:
 
     def stats(self) -> dict:
         """The instance's shape, gang restarts so far, and every member's counters."""
-        with self._lock:
-            members, generation = list(self.members), self.generation
-        return {"name": self.name, "shape": self.shape, "restarts": generation,
-                "failures": list(self._failures.values()), "members": ray.get([m.stats.remote() for m in members])}
+        for attempt in (0, 1):
+            with self._lock:
+                members, generation = list(self.members), self.generation
+            try:
+                counters = ray.get([m.stats.remote() for m in members])
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                reason = self._fail(generation, e)  # found dead here: restart it, report the fresh gang
+                if attempt:
+                    raise InstanceError(f"{reason}; a fresh gang failed too, check the members' logs") from None
+        return {"name": self.name, "shape": self.shape, "restarts": self.generation,
+                "failures": list(self._failures.values()), "members": counters}
 
     def ping(self) -> list[dict]:
         """Every member's liveness and whereabouts (see `GangMember.ping`)."""

@@ -1,0 +1,195 @@
+"""`Deployment`: prefill instances, decode instances and KV stores from one spec, driven from Python.
+
+    dep = Deployment("tiny", prefill="1xDEP1", decode="1xDEP2", kv_stores=1)
+    [c] = dep.generate(["The rack hums"], SamplingParams(max_tokens=8, temperature=0))
+    for out in dep.stream(dep.submit("…", params, session="chat-7")): ...
+    dep.shutdown()
+
+A request's path (DESIGN.md, P/D): the decode rank with the least state load (or the session's)
+reserves room for its state; the session's KV store is asked for the longest cached prefix; the
+prefill instance with the fewest queued tokens (or the session's) reads that prefix, prefills the
+rest, samples the first token and pushes the state; the decode rank streams every token. Each
+decode rank writes prompt + answer back to its KV store when a request finishes, so the next turn
+of a session prefills only its new text. Anything failing on the way (a transfer, a prefill
+instance, a KV store) costs recomputation on the decode rank, not the request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import secrets
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import ray
+
+from rackserve.actors.instance import Instance
+from rackserve.actors.kv_store import KVStore
+from rackserve.config import ConfigError
+from rackserve.engine import SamplingParams
+from rackserve.model.tiny import ensure_tiny
+from rackserve.model.tokenizer import Tokenizer
+from rackserve.placement import InstanceGroup
+
+
+@dataclass
+class _Route:
+    decode: tuple[int, int]  # (decode instance, DP rank)
+    prefill: tuple[int, int] | None  # None: the decode rank prefills it
+    prefill_tokens: int  # tokens the prefill rank computes
+    decode_tokens: int  # state the decode rank holds (prompt + max output), for its load
+
+
+class Deployment:
+    def __init__(self, model: str | Path = "tiny", prefill: str = "1xDEP1", decode: str = "1xDEP2",
+                 kv_stores: int = 1, engine_kwargs: dict | None = None, store_memory_mb: float = 256.0,
+                 timeout: float = 30.0):
+        """`prefill` / `decode`: instance shapes as the planner writes them ("2xDEP2", "DEP4",
+        "AFD2+2"); `kv_stores`: KV-store actors (0: none); `engine_kwargs`: `EngineConfig` fields of
+        every rank (both roles: the state layout must match)."""
+        p, d = InstanceGroup.parse(prefill, "prefill"), InstanceGroup.parse(decode, "decode")
+        if p.count < 1 or d.count < 1:
+            raise ConfigError(f"prefill={prefill!r}, decode={decode!r}: a deployment needs at least one of each")
+        if kv_stores < 0:
+            raise ConfigError(f"kv_stores={kv_stores} must be ≥ 0")
+        self.path = str(ensure_tiny() if str(model) == "tiny" else Path(model))
+        self.tokenizer = Tokenizer(self.path) if (Path(self.path) / "tokenizer.json").is_file() else None
+        engine_kwargs = dict(engine_kwargs or {})
+        tag = secrets.token_hex(3)
+
+        def instances(group: InstanceGroup) -> list[Instance]:
+            return [Instance(self.path, dep=group.size, expert_ranks=group.expert_ranks, engine_kwargs=engine_kwargs,
+                             timeout=timeout, name=f"{group.role}{i}-{tag}", kv=True) for i in range(group.count)]
+
+        self.decode, self.prefill = instances(d), instances(p)
+        store = ray.remote(KVStore).options(num_cpus=0, max_concurrency=8)
+        self.stores = [store.remote(self.path, store_memory_mb, engine_kwargs=engine_kwargs, name=f"kvstore{i}-{tag}")
+                       for i in range(kv_stores)]
+        self._dead_stores: set[int] = set()
+        self._routes: dict[str, _Route] = {}
+        self._decode_load: Counter = Counter()  # (instance, rank) -> state tokens held
+        self._prefill_load: Counter = Counter()  # (instance, rank) -> tokens queued for prefill
+        self._sessions: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}  # -> (decode, prefill) ranks
+        self._ids = itertools.count()
+        self._seeds = random.Random()
+        self._connect()
+        for inst in self.prefill + self.decode:
+            inst.on_restart = lambda _: self._connect()
+
+    # ---- wiring --------------------------------------------------------------------------------------
+    def _store_of(self, index: int) -> int | None:
+        """The KV store of the `index`-th rank (round robin over the live stores)."""
+        live = [i for i in range(len(self.stores)) if i not in self._dead_stores]
+        return live[index % len(live)] if live else None
+
+    def _connect(self) -> None:
+        """Introduce every rank's agent to the agents it talks to: prefill ranks to every decode rank
+        and KV store; every rank to its KV store, with an inbox there."""
+        store_meta = {}
+        for i, store in enumerate(self.stores):
+            try:
+                store_meta[i] = ray.get(store.metadata.remote())
+            except ray.exceptions.RayActorError:
+                self._dead_stores.add(i)
+        decode_meta = [m for inst in self.decode for m in inst.kv_metadata()]
+        index = itertools.count()
+        for role, insts in (("decode", self.decode), ("prefill", self.prefill)):
+            for inst in insts:
+                links = []
+                for meta in inst.kv_metadata():
+                    k = self._store_of(next(index))
+                    inbox = self._call_store(k, "add_writer", meta) if k is not None else None
+                    links.append((store_meta[k], inbox) if inbox is not None else None)
+                peers = list(store_meta.values()) + (decode_meta if role == "prefill" else [])
+                inst.kv_connect(peers, links)
+
+    def _call_store(self, k: int, method: str, *args):
+        """A KV store call; None (and the store counted dead) if the store is gone."""
+        try:
+            return ray.get(getattr(self.stores[k], method).remote(*args))
+        except ray.exceptions.RayActorError:
+            self._dead_stores.add(k)
+            return None
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, session: str | None = None) -> str:
+        """Route a request (see the module docstring); returns its id. Requests of one `session`
+        go to the same ranks, where their history is cached."""
+        params = params or SamplingParams()
+        if params.seed is None:  # prefill samples the first token, decode the rest: one seed for both
+            params = replace(params, seed=self._seeds.getrandbits(63))
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and self.tokenizer else prompt
+        if isinstance(ids, str):
+            raise ValueError("this model has no tokenizer.json; send token ids instead of text")
+        decode_at, prefill_at = self._sessions.get(session, (None, None))
+        if decode_at is None:
+            decode_at = min(((i, r) for i, inst in enumerate(self.decode) for r in range(inst.dep)),
+                            key=lambda key: self._decode_load[key])
+        request_id = f"req-{next(self._ids)}-{secrets.token_hex(3)}"
+        _, reservation = self.decode[decode_at[0]].reserve(ids, params, request_id, rank=decode_at[1])
+        route = _Route(decode_at, None, 0, len(ids) + params.max_tokens)
+        if reservation is not None:
+            k = self._store_of(self._rank_index(decode_at))
+            hit = self._call_store(k, "lookup", ids) if k is not None else None
+            if prefill_at is None:
+                prefill_at = min(((i, r) for i, inst in enumerate(self.prefill) for r in range(inst.dep)),
+                                 key=lambda key: self._prefill_load[key])
+            route.prefill, route.prefill_tokens = prefill_at, len(ids) - (hit[0] if hit else 0)
+            self.prefill[prefill_at[0]].submit(ids, params, request_id, rank=prefill_at[1], push_to=reservation,
+                                               cached=hit)
+            self._prefill_load[prefill_at] += route.prefill_tokens
+        self._decode_load[decode_at] += route.decode_tokens
+        self._routes[request_id] = route
+        if session is not None:
+            self._sessions[session] = (decode_at, prefill_at)
+        return request_id
+
+    def _rank_index(self, at: tuple[int, int]) -> int:
+        return sum(inst.dep for inst in self.decode[:at[0]]) + at[1]
+
+    def stream(self, request_id: str) -> Iterator[dict]:
+        """The request's outputs from its decode rank (see `Instance.stream`)."""
+        route = self._routes[request_id]
+        try:
+            for out in self.decode[route.decode[0]].stream(request_id):
+                if route.prefill is not None:  # its prefill is over
+                    self._prefill_load[route.prefill] -= route.prefill_tokens
+                    route.prefill = None
+                yield out
+        finally:
+            if route.prefill is not None:
+                self._prefill_load[route.prefill] -= route.prefill_tokens
+            self._decode_load[route.decode] -= route.decode_tokens
+            del self._routes[request_id]
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 sessions: list[str | None] | None = None) -> list[dict]:
+        """Run prompts to completion: per prompt, its token ids, text, finish reason and cached
+        prompt tokens."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.submit(p, sp, s) for p, sp, s in zip(prompts, params_list, sessions or [None] * len(prompts),
+                                                          strict=True)]
+        results = []
+        for request_id in ids:
+            tokens, text, reason, cached = [], "", None, 0
+            for out in self.stream(request_id):
+                tokens += out["new_token_ids"]
+                text += out["new_text"]
+                reason, cached = out.get("error") or out["finish_reason"], out.get("num_cached_tokens", 0)
+            results.append({"token_ids": tokens, "text": text, "finish_reason": reason, "num_cached_tokens": cached})
+        return results
+
+    def stats(self) -> dict:
+        """Every instance's stats and every live KV store's."""
+        stores = [self._call_store(k, "stats") for k in range(len(self.stores))]
+        return {"prefill": [i.stats() for i in self.prefill], "decode": [i.stats() for i in self.decode],
+                "kv_stores": stores}
+
+    def shutdown(self) -> None:
+        for inst in self.prefill + self.decode:
+            inst.shutdown()
+        for store in self.stores:
+            ray.kill(store)

@@ -1,0 +1,66 @@
+"""`KVStore`: a host-memory prefix cache actor (one per tray or node), a thin actor over `PrefixStore`.
+
+A background thread drives the store's NIXL agent (PUTs arriving, pinned reads released), polling
+every millisecond while there is traffic and backing off to `IDLE_POLL_S` when there is none, so an
+idle store costs next to no CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+
+from rackserve.config import EngineConfig, ModelConfig
+from rackserve.engine.prefix_store import PrefixStore
+from rackserve.model.tiny import ensure_tiny
+from rackserve.transfer.kv import KVAgent
+
+BUSY_POLL_S, IDLE_POLL_S, BUSY_FOR_S = 0.001, 0.02, 1.0
+
+
+class KVStore:
+    def __init__(self, model: str = "tiny", memory_mb: float = 256.0, pool_mb: float = 64.0, inbox_mb: float = 4.0,
+                 engine_kwargs: dict | None = None, name: str = "kvstore"):
+        """`memory_mb` of cached prefixes; `pool_mb` of NIXL-registered memory for the writers'
+        inboxes (`inbox_mb` each) and pinned reads; `engine_kwargs`: the ranks' (for the block size)."""
+        path = ensure_tiny() if str(model) == "tiny" else Path(model)
+        config = ModelConfig.from_pretrained(path)
+        block = EngineConfig(**(engine_kwargs or {})).resolve(config).block_size
+        agent = KVAgent(f"{name}-{secrets.token_hex(4)}", int(pool_mb * 2**20))
+        self.store = PrefixStore(config, block, agent, memory_mb, int(inbox_mb * 2**20))
+        self._lock = threading.Lock()
+        self._busy_until = 0.0
+        threading.Thread(target=self._poll_loop, daemon=True, name="kv-store-poll").start()
+
+    def metadata(self) -> bytes:
+        return self.store.agent.metadata()
+
+    def add_writer(self, metadata: bytes) -> list:
+        """Learn a rank's agent; its inbox here (wire form)."""
+        with self._lock:
+            return self.store.add_writer(metadata).to_wire()
+
+    def lookup(self, token_ids: list[int]) -> tuple[int, list] | None:
+        """(cached tokens, wire region to READ) for the longest cached prefix, or None."""
+        with self._lock:
+            hit = self.store.lookup(token_ids)
+            self._busy_until = time.monotonic() + BUSY_FOR_S
+        return (hit[0], hit[1].to_wire()) if hit else None
+
+    def stats(self) -> dict:
+        with self._lock:
+            cache = self.store.cache
+            return {**vars(self.store.stats), "bytes_in_use": cache.bytes_in_use, "bytes_total": cache.bytes_total,
+                    "evictions": cache.stats.evictions, "pid": os.getpid()}
+
+    def _poll_loop(self) -> None:
+        while True:
+            with self._lock:
+                before = self.store.stats.puts
+                self.store.poll()
+                if self.store.stats.puts != before or self.store.stats.pinned:
+                    self._busy_until = time.monotonic() + BUSY_FOR_S
+            time.sleep(BUSY_POLL_S if time.monotonic() < self._busy_until else IDLE_POLL_S)

@@ -1,0 +1,92 @@
+"""A P/D deployment on the session's Ray cluster (a DEP1 prefill instance, a DEP2 decode instance,
+one KV store; real NIXL between the actors): outputs equal the single-process engine's, a session's
+second turn prefills only its new text, and a killed prefill rank or KV store costs recomputation,
+not requests."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from conftest import prompt
+from rackserve.actors.deployment import Deployment
+from rackserve.engine import LLM, SamplingParams
+
+ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 96, "kv_timeout_s": 4.0}
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster, tiny_checkpoint):
+    dep = Deployment(tiny_checkpoint, prefill="1xDEP1", decode="1xDEP2", kv_stores=1, engine_kwargs=ENGINE,
+                     store_memory_mb=16, timeout=10.0)
+    yield dep
+    dep.shutdown()
+
+
+def single(checkpoint, prompts, params) -> list[list[int]]:
+    return [c.token_ids for c in LLM(checkpoint).generate(prompts, params)]
+
+
+def totals(dep: Deployment, role: str) -> dict:
+    """Counters summed over every DP rank of a role."""
+    out = {}
+    for inst in dep.stats()[role]:
+        for member in inst["members"]:
+            for k, v in member.items():
+                if k.startswith("kv_"):
+                    out[k] = out.get(k, 0) + v
+    return out
+
+
+@pytest.mark.slow
+def test_pd_outputs_equal_the_single_process_engine(deployment, tiny_checkpoint):
+    prompts = [prompt(n, seed=60 + n) for n in (7, 90, 33, 150, 12, 61)]
+    params = [SamplingParams(max_tokens=m, temperature=t, seed=5 + i, ignore_eos=True)
+              for i, (m, t) in enumerate([(8, 0), (5, 0), (12, 0.8), (6, 0), (1, 0), (9, 1.0)])]
+    before = totals(deployment, "decode")
+    got = deployment.generate(prompts, params)
+    assert [g["token_ids"] for g in got] == single(tiny_checkpoint, prompts, params)
+    after = totals(deployment, "decode")
+    assert after["kv_loaded"] - before.get("kv_loaded", 0) == len(prompts)  # every state was pushed
+    assert after["kv_recomputed"] == before.get("kv_recomputed", 0)
+
+
+@pytest.mark.slow
+def test_a_second_turn_prefills_only_its_new_text(deployment, tiny_checkpoint):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    turn1 = prompt(40, seed=71)
+    puts = deployment.stats()["kv_stores"][0]["puts"]
+    [first] = deployment.generate([turn1], greedy, sessions=["chat"])
+    turn2 = turn1 + first["token_ids"] + prompt(13, seed=72)
+    deadline = time.monotonic() + 10
+    # the decode rank writes prompt + answer back as the request finishes, asynchronously: a user's
+    # next turn comes seconds later, this test's at once, so it waits for the write to land
+    while deployment.stats()["kv_stores"][0]["puts"] < puts + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pulled_before = totals(deployment, "prefill").get("kv_pulled_tokens", 0)
+    [second] = deployment.generate([turn2], greedy, sessions=["chat"])
+    assert second["token_ids"] == single(tiny_checkpoint, [turn2], greedy)[0]
+    block = 16  # the tiny model's block size: history up to the answer's last full block is reused
+    assert second["num_cached_tokens"] == (len(turn1) + len(first["token_ids"]) - 1) // block * block
+    assert totals(deployment, "prefill")["kv_pulled_tokens"] - pulled_before == second["num_cached_tokens"]
+
+
+@pytest.mark.slow
+def test_a_dead_kv_store_and_a_dead_prefill_rank_cost_only_recomputation(deployment, tiny_checkpoint):
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ray.kill(deployment.stores[0])
+    prompts = [prompt(n, seed=80 + n) for n in (20, 45)]
+    got = deployment.generate(prompts, greedy)  # lookups fail: plain prefill
+    assert [g["token_ids"] for g in got] == single(tiny_checkpoint, prompts, greedy)
+    assert deployment._dead_stores == {0}
+
+    before = totals(deployment, "decode").get("kv_recomputed", 0)
+    request = deployment.submit(prompt(30, seed=90), greedy)
+    ray.kill(deployment.prefill[0].members[0])  # its push never comes: the reservation expires
+    tokens = [t for out in deployment.stream(request) for t in out["new_token_ids"]]
+    assert tokens == single(tiny_checkpoint, [prompt(30, seed=90)], greedy)[0]
+    assert totals(deployment, "decode")["kv_recomputed"] == before + 1
+    [again] = deployment.generate([prompt(25, seed=91)], greedy)  # the prefill instance restarts
+    assert again["token_ids"] == single(tiny_checkpoint, [prompt(25, seed=91)], greedy)[0]
