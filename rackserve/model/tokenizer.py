@@ -1,4 +1,4 @@
-"""Tokenizer: a `tokenizers` tokenizer.json plus the special tokens from tokenizer_config.json.
+"""Tokenizer: a `tokenizers` tokenizer.json plus the special tokens and chat template from tokenizer_config.json.
 
 `train_byte_bpe` makes the built-in tiny model's byte-level BPE from a small built-in text, with no
 download: every byte is in the base alphabet, so any UTF-8 text encodes and round-trips.
@@ -7,16 +7,21 @@ download: every byte is in the base alphabet, so any UTF-8 text encodes and roun
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 BOS, EOS, PAD = "<|begin_of_sentence|>", "<|end_of_sentence|>", "<|pad|>"
-# A minimal chat template in the Hugging Face (Jinja) format, used by the chat endpoint.
+# The tiny model's chat template, in the Hugging Face (Jinja) format: BOS, then "<|role|>\ncontent\n" per
+# message, then "<|assistant|>\n" to prompt a reply. Plain text: the byte-level BPE encodes the markers as is.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 _CORPUS = """\
 A rack of GPUs serves a mixture-of-experts model. Each request arrives over HTTP, is prefilled on one
@@ -45,11 +50,20 @@ def train_byte_bpe(vocab_size: int) -> HFTokenizer:
 
 
 def save_tokenizer(tok: HFTokenizer, path: Path) -> None:
-    """Write tokenizer.json and tokenizer_config.json (special tokens, chat template) into `path`."""
-    tok.save(str(path / "tokenizer.json"))
+    """Write tokenizer.json and tokenizer_config.json (special tokens, chat template) into `path`.
+
+    Each file is written under a temporary name and renamed, config last, so a reader (another process
+    upgrading the same cached checkpoint) never sees a half-written file, and a current config means a
+    complete tokenizer.json.
+    """
+    tmp = path / "tokenizer.json.tmp"
+    tok.save(str(tmp))
+    tmp.replace(path / "tokenizer.json")
     config = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "chat_template": CHAT_TEMPLATE,
               "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096}
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tmp = path / "tokenizer_config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    tmp.replace(path / "tokenizer_config.json")
 
 
 class Tokenizer:
@@ -66,19 +80,61 @@ class Tokenizer:
         self.bos_id = self._special_id("bos_token")
         self.eos_id = self._special_id("eos_token")
 
-    def _special_id(self, key: str) -> int | None:
+    def _special_token(self, key: str) -> str | None:
         token = self.config.get(key)
         if isinstance(token, dict):  # {"content": "...", ...} form
             token = token.get("content")
+        return token or None
+
+    def _special_id(self, key: str) -> int | None:
+        token = self._special_token(key)
         return self._tok.token_to_id(token) if token else None
+
+    @cached_property
+    def _chat_template(self) -> jinja2.Template:
+        source = self.config.get("chat_template")
+        if isinstance(source, list):  # [{"name": ..., "template": ...}]: several named templates
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if not isinstance(source, str):
+            raise ValueError("this model's tokenizer_config.json has no chat_template; use /v1/completions")
+        # as Hugging Face renders chat templates, so templates written for transformers render the same here;
+        # the sandbox keeps a checkpoint's template from reaching Python internals
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals["raise_exception"] = _raise_template_error
+        try:
+            return env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"this model's chat_template does not parse ({e.message}, line {e.lineno}); "
+                             "fix it in tokenizer_config.json or use /v1/completions") from None
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of `text`, after BOS when `add_bos`. Special tokens written in the text (as a chat
+        template writes BOS) encode as themselves, so encode `apply_chat_template`'s text with add_bos=False."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """`messages` ([{"role", "content"}]) as prompt text, rendered by the checkpoint's chat template.
+
+        The text starts with BOS when the template writes it (most do): encode it with add_bos=False.
+        add_generation_prompt ends the text with the assistant's turn opening, so the model replies.
+        Raises ValueError when the checkpoint has no template or the template refuses the messages.
+        """
+        try:
+            return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                              bos_token=self._special_token("bos_token") or "",
+                                              eos_token=self._special_token("eos_token") or "")
+        except jinja2.TemplateError as e:
+            raise ValueError(f"this model's chat template cannot render these messages: {e}") from None
+
+
+def _raise_template_error(message: str) -> None:
+    # templates call raise_exception(...) to refuse a conversation, e.g. roles that do not alternate
+    raise jinja2.TemplateError(message)

@@ -1,0 +1,507 @@
+"""The OpenAI HTTP protocol as plain data, independent of any web framework.
+
+Request bodies of `/v1/completions` and `/v1/chat/completions` come in as bytes and leave as typed requests;
+response bodies, stream chunks and errors leave as dicts (and `sse` bytes) for the app to send.
+
+Parsing checks every field it uses (JSON type, then range) and raises `APIError` naming the field, so one
+error response tells a client what to fix. Fields that would change the output in ways this engine does not
+implement (penalties, logit_bias, tools, …) are refused unless they ask for the default; other fields this
+server does not use (`user`, `metadata`, …) are ignored, as OpenAI-compatible servers do. A field sent as JSON
+null counts as absent.
+
+`max_tokens` is resolved late: chat without a cap may use every position the context leaves after the
+prompt, which is only known once the messages are rendered and tokenized. So requests keep `max_tokens`
+(None = up to the context) next to `base_params`, and `sampling(prompt_tokens, max_model_len)` gives the
+engine's `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from rackserve.engine.sampling import MAX_LOGPROBS, SamplingParams
+
+# 1 MiB of text is a few hundred thousand tokens, room for long prompts, while it bounds the memory and
+# parse time one request can cost before it is validated. The app should stop reading a body past this.
+MAX_BODY_BYTES = 1 << 20
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI's legacy API allows
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_ROLES = ("system", "user", "assistant")
+# JSON has no infinity: a -inf log-probability (a token the model rules out) is sent as this floor, as vLLM does.
+_LOGPROB_FLOOR = -9999.0
+# Fields that change the output in ways the engine does not implement, with the one value that asks for
+# nothing: ignoring any other value would silently return something the client did not ask for.
+_UNSUPPORTED: dict[str, Any] = {
+    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "best_of": 1, "suffix": "", "tools": [],
+    "response_format": {"type": "text"},
+}
+# The engine's finish reasons as OpenAI names them; "abort" is not OpenAI's but vLLM's, which clients meet already.
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class APIError(Exception):
+    """A request that gets an error response: HTTP `status` and the fields of OpenAI's error object.
+
+    type: "invalid_request_error" (400, 413), "authentication_error" (401), "not_found_error" (404),
+    "rate_limit_error" (429), "server_error" (500, 503); param: the body field at fault, if one is.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _invalid(message: str, param: str | None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _json_type(value: object) -> str:
+    """The JSON name of a parsed value's type, as a client wrote it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _show(value: object) -> str:
+    """`value` as short JSON for an error message."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _reject_constant(name: str) -> None:
+    # Python's json reads NaN and Infinity, which are not JSON and would reach the engine as numbers
+    raise _invalid(f"request body is not valid JSON: {name} is not a JSON number; send a finite number", None)
+
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object; APIError 413 past MAX_BODY_BYTES, 400 if not a UTF-8 JSON object."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES} bytes (1 MiB), "
+                            "so send a shorter prompt", code="body_too_large")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _invalid(f"request body must be UTF-8 JSON; byte {raw[e.start]:#04x} at offset {e.start} "
+                       "is not UTF-8", None) from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise _invalid(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} "
+                       f"(char {e.pos})", None) from None
+    except RecursionError:
+        raise _invalid("request body nests arrays or objects too deeply to parse; flatten it", None) from None
+    if not isinstance(body, dict):
+        raise _invalid(f"request body must be a JSON object, not {_json_type(body)}", None)
+    return body
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """A JSON type a field must have: `name` as an error message says it, `check` on the parsed value."""
+
+    name: str
+    check: Callable[[object], bool]
+
+
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int in Python, but JSON true is not the number 1
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_NUMBER = _Kind("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+_INTEGER = _Kind("an integer", _is_int)
+_BOOLEAN = _Kind("a boolean", lambda v: isinstance(v, bool))
+_STRING = _Kind("a string", lambda v: isinstance(v, str))
+_OBJECT = _Kind("an object", lambda v: isinstance(v, dict))
+
+
+def _get(obj: dict, key: str, kind: _Kind, param: str | None = None) -> Any:
+    """`obj[key]` checked to be of `kind`, or None when absent or null; `param` names it in errors (default key)."""
+    value = obj.get(key)
+    if value is None or kind.check(value):
+        return value
+    param = param or key
+    raise _invalid(f"{param} must be {kind.name}, not {_json_type(value)} {_show(value)}", param)
+
+
+def _model(body: dict, served_models: list[str]) -> str:
+    model = _get(body, "model", _STRING)
+    if model is None:
+        raise _invalid(f"model is required; this server serves {served_models}", "model")
+    if model not in served_models:
+        raise APIError(404, f"model {model!r} is not served here; use one of {served_models}",
+                       type="not_found_error", param="model", code="model_not_found")
+    return model
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, default in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value != default:
+            raise _invalid(f"{name}={_show(value)} is not supported by this server; remove it or send "
+                           f"{_show(default)}", name)
+
+
+def _n(body: dict) -> None:
+    n = _get(body, "n", _INTEGER)
+    if n is not None and n != 1:
+        raise _invalid(f"n must be 1: this server returns one choice per request (got n={n})", "n")
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage); usage is only a separate chunk when streaming (responses always carry it)."""
+    stream = bool(_get(body, "stream", _BOOLEAN))
+    options = _get(body, "stream_options", _OBJECT) or {}
+    include_usage = _get(options, "include_usage", _BOOLEAN, param="stream_options.include_usage")
+    return stream, stream and bool(include_usage)
+
+
+def _max_tokens(body: dict, name: str) -> int | None:
+    value = _get(body, name, _INTEGER)
+    if value is not None and value < 1:
+        raise _invalid(f"{name}={value} is out of range; use {name} ≥ 1", name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...] | None:
+    value = body.get("stop")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        if len(value) > MAX_STOP:
+            raise _invalid(f"stop has {len(value)} strings; send at most {MAX_STOP}", "stop")
+        return tuple(value)
+    raise _invalid(f"stop must be a string or an array of strings, not {_json_type(value)} {_show(value)}", "stop")
+
+
+def _token_ids(body: dict, name: str) -> tuple[int, ...] | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, list) and all(_is_int(t) for t in value):
+        return tuple(value)
+    raise _invalid(f"{name} must be an array of integers, not {_json_type(value)} {_show(value)}", name)
+
+
+def _base_params(body: dict, logprobs: int | None) -> SamplingParams:
+    """The body's sampling fields (OpenAI names, plus vLLM's top_k, min_p, stop_token_ids, ignore_eos and
+    skip_special_tokens), all but max_tokens. Each is checked alone first, so a range error names its field."""
+    given = {
+        "temperature": _get(body, "temperature", _NUMBER),
+        "top_p": _get(body, "top_p", _NUMBER),
+        "top_k": _get(body, "top_k", _INTEGER),
+        "min_p": _get(body, "min_p", _NUMBER),
+        "seed": _get(body, "seed", _INTEGER),
+        "stop": _stop(body),
+        "stop_token_ids": _token_ids(body, "stop_token_ids"),
+        "ignore_eos": _get(body, "ignore_eos", _BOOLEAN),
+        "skip_special_tokens": _get(body, "skip_special_tokens", _BOOLEAN),
+        "logprobs": logprobs,
+    }
+    given = {name: value for name, value in given.items() if value is not None}
+    for name, value in given.items():
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as e:
+            raise _invalid(str(e), name) from None
+    return SamplingParams(**given)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Generation:
+    """What both endpoints share. `base_params` holds every sampling choice of the body but the output cap,
+    whose `max_tokens` is a stand-in: the engine's parameters come from `sampling`."""
+
+    _PROMPT_PARAM: ClassVar[str]
+
+    model: str
+    max_tokens: int | None  # None: up to the end of the context
+    base_params: SamplingParams
+    stream: bool
+    include_usage: bool  # send a usage chunk before [DONE] (streaming only)
+
+    def sampling(self, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """The engine's parameters once the prompt is `prompt_tokens` long, for a context of `max_model_len`
+        tokens (prompt + output). APIError 400 if the prompt leaves no room, or max_tokens does not fit."""
+        room = max_model_len - prompt_tokens
+        if room < 1:
+            raise _invalid(f"the prompt is {prompt_tokens} tokens and this model's context is {max_model_len} "
+                           f"tokens, which leaves no room for output; shorten the {self._PROMPT_PARAM}",
+                           self._PROMPT_PARAM)
+        if self.max_tokens is None:
+            return replace(self.base_params, max_tokens=room)
+        if self.max_tokens > room:
+            raise _invalid(f"this model's context is {max_model_len} tokens, but {prompt_tokens + self.max_tokens} "
+                           f"were requested ({prompt_tokens} in the prompt, {self.max_tokens} in max_tokens); "
+                           f"shorten the {self._PROMPT_PARAM} or lower max_tokens", "max_tokens")
+        return replace(self.base_params, max_tokens=self.max_tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompletionRequest(_Generation):
+    """A /v1/completions request: a text prompt or token ids; max_tokens is always set (OpenAI default 16)."""
+
+    _PROMPT_PARAM: ClassVar[str] = "prompt"
+
+    prompt: str | list[int]
+    echo: bool = False  # the response text starts with the prompt
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatRequest(_Generation):
+    """A /v1/chat/completions request. messages: [{"role", "content"}] with plain-text content.
+    logprobs/top_logprobs as the body says; base_params.logprobs is top_logprobs when logprobs is true."""
+
+    _PROMPT_PARAM: ClassVar[str] = "messages"
+
+    messages: list[dict[str, str]]
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def _prompt(value: object) -> str | list[int]:
+    # OpenAI takes a batch of prompts as an array of strings or of token-id arrays; one of them is one prompt
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        if len(value) > 1:
+            raise _invalid(f"prompt is a batch of {len(value)} prompts; send one prompt per request "
+                           "(batches of prompts are not supported)", "prompt")
+        value = value[0]
+    if isinstance(value, str) or (isinstance(value, list) and all(_is_int(t) for t in value)):
+        if not value:
+            raise _invalid("prompt is empty; send at least one character or token id", "prompt")
+        if isinstance(value, list) and min(value) < 0:
+            raise _invalid(f"prompt token id {min(value)} is negative; token ids are ≥ 0", "prompt")
+        return value
+    if value is None:
+        raise _invalid("prompt is required: send a string or an array of token ids", "prompt")
+    raise _invalid(f"prompt must be a string or an array of token ids, not {_json_type(value)} {_show(value)}",
+                   "prompt")
+
+
+def parse_completion(body: dict, served_models: list[str]) -> CompletionRequest:
+    """A /v1/completions body as a typed request; APIError (400, or 404 for an unknown model) if it is not one."""
+    model = _model(body, served_models)
+    _refuse_unsupported(body)
+    _n(body)
+    prompt = _prompt(body.get("prompt"))
+    stream, include_usage = _stream(body)
+    echo = bool(_get(body, "echo", _BOOLEAN))
+    logprobs = _get(body, "logprobs", _INTEGER)
+    if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise _invalid(f"logprobs={logprobs} is out of range; use 0 ≤ logprobs ≤ {MAX_COMPLETION_LOGPROBS}",
+                       "logprobs")
+    if echo and logprobs is not None:
+        raise _invalid("echo with logprobs is not supported: this server does not compute the prompt's "
+                       "log-probabilities; drop one of them", "echo")
+    max_tokens = _max_tokens(body, "max_tokens")
+    return CompletionRequest(
+        model=model, prompt=prompt, echo=echo, stream=stream, include_usage=include_usage,
+        max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+        base_params=_base_params(body, logprobs),
+    )
+
+
+def _text_part(where: str, part: object) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+    raise _invalid(f"{where} is {_show(kind)}; only text parts {{\"type\": \"text\", \"text\": \"...\"}} "
+                   "are supported", "messages")
+
+
+def _message(i: int, message: object) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise _invalid(f"{where} must be an object with role and content, not {_json_type(message)}", "messages")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise _invalid(f"{where}.role is {_show(role)}; use one of {list(CHAT_ROLES)}", "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        # as vLLM does: text parts are lines of one message
+        content = "\n".join(_text_part(f"{where}.content[{j}]", part) for j, part in enumerate(content))
+    if not isinstance(content, str):
+        raise _invalid(f"{where}.content must be a string or an array of text parts, not {_json_type(content)}",
+                       "messages")
+    return {"role": role, "content": content}
+
+
+def parse_chat(body: dict, served_models: list[str]) -> ChatRequest:
+    """A /v1/chat/completions body as a typed request; APIError (400, or 404 for an unknown model) if not one."""
+    model = _model(body, served_models)
+    _refuse_unsupported(body)
+    _n(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _invalid(f"messages must be a non-empty array of {{role, content}} objects, not {_show(messages)}",
+                       "messages")
+    messages = [_message(i, m) for i, m in enumerate(messages)]
+    stream, include_usage = _stream(body)
+    logprobs = bool(_get(body, "logprobs", _BOOLEAN))
+    top_logprobs = _get(body, "top_logprobs", _INTEGER) or 0
+    if not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise _invalid(f"top_logprobs={top_logprobs} is out of range; use 0 ≤ top_logprobs ≤ {MAX_LOGPROBS}",
+                       "top_logprobs")
+    if top_logprobs and not logprobs:
+        raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    # max_completion_tokens is OpenAI's newer name for max_tokens
+    max_tokens = _max_tokens(body, "max_tokens")
+    max_completion_tokens = _max_tokens(body, "max_completion_tokens")
+    if None not in (max_tokens, max_completion_tokens) and max_tokens != max_completion_tokens:
+        raise _invalid(f"max_tokens={max_tokens} and max_completion_tokens={max_completion_tokens} disagree; "
+                       "send only max_completion_tokens", "max_tokens")
+    return ChatRequest(
+        model=model, messages=messages, stream=stream, include_usage=include_usage, logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
+        base_params=_base_params(body, top_logprobs if logprobs else None),
+    )
+
+
+def new_request_id(chat: bool) -> str:
+    """A fresh response id: "chatcmpl-<32 hex>" or "cmpl-<32 hex>", as OpenAI shapes them."""
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def openai_finish_reason(engine_reason: str | None) -> str | None:
+    """The engine's finish reason ("stop", "length", "abort") as OpenAI's; None while the request runs."""
+    if engine_reason is None:
+        return None
+    try:
+        return _FINISH_REASONS[engine_reason]
+    except KeyError:
+        raise ValueError(f"engine finish reason {engine_reason!r} has no OpenAI name (known: "
+                         f"{sorted(_FINISH_REASONS)}); it must not reach a client") from None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one request; cached_tokens: prompt tokens served by the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def _envelope(request_id: str, model: str, object_name: str, choices: list[dict]) -> dict:
+    return {"id": request_id, "object": object_name, "created": int(time.time()), "model": model,
+            "choices": choices}
+
+
+def completion_response(request_id: str, model: str, text: str, finish_reason: str, usage: Usage,
+                        logprobs: dict | None = None) -> dict:
+    """A whole /v1/completions response. finish_reason: the engine's; logprobs: from `completion_logprobs`."""
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": openai_finish_reason(finish_reason)}
+    return {**_envelope(request_id, model, "text_completion", [choice]), "usage": usage.to_dict()}
+
+
+def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
+    """One streamed /v1/completions chunk: new text, and the engine's finish reason on the last one."""
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": openai_finish_reason(finish_reason)}
+    return _envelope(request_id, model, "text_completion", [choice])
+
+
+def chat_response(request_id: str, model: str, text: str, finish_reason: str, usage: Usage,
+                  logprobs: dict | None = None) -> dict:
+    """A whole /v1/chat/completions response. finish_reason: the engine's; logprobs: from `chat_logprobs`."""
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+              "finish_reason": openai_finish_reason(finish_reason)}
+    return {**_envelope(request_id, model, "chat.completion", [choice]), "usage": usage.to_dict()}
+
+
+def chat_chunk(request_id: str, model: str, delta_text: str | None, finish_reason: str | None, role: bool = False,
+               logprobs: dict | None = None) -> dict:
+    """One streamed chat chunk. role=True on the first, whose delta names the assistant; delta_text None gives
+    an empty delta (the last chunk, which carries the engine's finish reason)."""
+    if role:
+        delta = {"role": "assistant", "content": delta_text or ""}
+    else:
+        delta = {} if delta_text is None else {"content": delta_text}
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": openai_finish_reason(finish_reason)}
+    return _envelope(request_id, model, "chat.completion.chunk", [choice])
+
+
+def usage_chunk(request_id: str, model: str, usage: Usage, chat: bool) -> dict:
+    """The stream's last chunk before [DONE] when the client asked for stream_options.include_usage."""
+    object_name = "chat.completion.chunk" if chat else "text_completion"
+    return {**_envelope(request_id, model, object_name, []), "usage": usage.to_dict()}
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying `obj` as compact JSON."""
+    # allow_nan=False: a stray NaN must fail here rather than reach a client as invalid JSON
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
+
+
+def completion_logprobs(entries: list[dict], decode: Callable[[int], str], offset: int = 0) -> dict:
+    """Legacy /v1/completions logprobs for generated tokens.
+
+    entries: per token {"token_id": int, "logprob": float, "top": [[token_id, logprob], ...]} (the engine's
+    TokenLogprobs as sent over the wire); decode: one token id → its text. offset: the character offset of the
+    first token in the choice's text (nonzero for later stream chunks, or after an echoed prompt). Each
+    top_logprobs dict also holds the chosen token, as OpenAI's does (so up to logprobs + 1 entries).
+    """
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for entry in entries:
+        token = decode(entry["token_id"])
+        logprob = _finite(entry["logprob"])
+        top: dict[str, float] = {}
+        for token_id, top_logprob in entry["top"]:
+            # two ids can decode alike (partial UTF-8 bytes both show as U+FFFD): keep the likelier, listed first
+            top.setdefault(decode(token_id), _finite(top_logprob))
+        top.setdefault(token, logprob)
+        tokens.append(token)
+        token_logprobs.append(logprob)
+        top_logprobs.append(top)
+        text_offset.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def _chat_token(token_id: int, logprob: float, decode: Callable[[int], str]) -> dict:
+    token = decode(token_id)
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[dict], decode: Callable[[int], str]) -> dict:
+    """Chat logprobs for generated tokens: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}.
+
+    entries and decode as in `completion_logprobs`; bytes are the UTF-8 bytes of the decoded token text.
+    """
+    return {"content": [{**_chat_token(e["token_id"], e["logprob"], decode),
+                         "top_logprobs": [_chat_token(t, lp, decode) for t, lp in e["top"]]} for e in entries]}
