@@ -16,11 +16,12 @@ instance, a KV store) costs recomputation on the decode rank, not the request.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 import secrets
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -151,19 +152,42 @@ class Deployment:
         return sum(inst.dep for inst in self.decode[:at[0]]) + at[1]
 
     def stream(self, request_id: str) -> Iterator[dict]:
-        """The request's outputs from its decode rank (see `Instance.stream`)."""
-        route = self._routes[request_id]
+        """The request's outputs from its decode rank (see `Instance.stream`); closing the stream
+        early aborts the request and frees its state."""
+        route, finished = self._routes[request_id], False
         try:
             for out in self.decode[route.decode[0]].stream(request_id):
-                if route.prefill is not None:  # its prefill is over
-                    self._prefill_load[route.prefill] -= route.prefill_tokens
-                    route.prefill = None
+                self._prefilled(route)
+                finished = out["finished"]
                 yield out
         finally:
+            self._end(request_id, finished)
+
+    async def astream(self, request_id: str) -> AsyncIterator[dict]:
+        """`stream` for asyncio callers (the HTTP server)."""
+        route, finished = self._routes[request_id], False
+        try:
+            async for out in self.decode[route.decode[0]].astream(request_id):
+                self._prefilled(route)
+                finished = out["finished"]
+                yield out
+        finally:
+            await asyncio.to_thread(self._end, request_id, finished)
+
+    def _prefilled(self, route: _Route) -> None:
+        """The first output is out: the request no longer counts in its prefill rank's queue."""
+        if route.prefill is not None:
+            self._prefill_load[route.prefill] -= route.prefill_tokens
+            route.prefill_tokens = 0
+
+    def _end(self, request_id: str, finished: bool) -> None:
+        route = self._routes.pop(request_id)
+        self._prefilled(route)
+        self._decode_load[route.decode] -= route.decode_tokens
+        if not finished:  # the caller went away: stop it on both sides and free its state
+            self.decode[route.decode[0]].abort(request_id)
             if route.prefill is not None:
-                self._prefill_load[route.prefill] -= route.prefill_tokens
-            self._decode_load[route.decode] -= route.decode_tokens
-            del self._routes[request_id]
+                self.prefill[route.prefill[0]].abort(request_id, rank=route.prefill[1])
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  sessions: list[str | None] | None = None) -> list[dict]:

@@ -18,10 +18,11 @@ and the instance restarts its gang, so the next requests are served.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -44,6 +45,9 @@ PING_TIMEOUT_S = 5.0  # a member that does not answer a ping this long after a f
 
 class InstanceError(RuntimeError):
     """The instance's gang failed under a request; the message names the member and what to do."""
+
+
+_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, InstanceError)
 
 
 class Instance:
@@ -222,26 +226,53 @@ class Instance:
     def stream(self, request_id: str) -> Iterator[dict]:
         """The request's outputs as they come: dicts with new_text, new_token_ids, finished, …;
         raises `InstanceError` if the gang fails under it."""
-        with self._lock:
-            rank, generation = self._owner[request_id]
-            member = self.members[rank]
+        member, generation = self._watch(request_id)
         try:
             while True:
                 try:
-                    if generation != self.generation:  # the gang failed under another request
-                        raise InstanceError(self._failures[generation])
-                    outs = ray.get(member.poll.remote(request_id))
-                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, InstanceError) as e:
-                    reason = self._fail(generation, e)
-                    raise InstanceError(f"request {request_id} was lost: {reason}. The instance restarted its gang; "
-                                        "resubmit the request") from None
+                    outs = ray.get(self._poll(request_id, member, generation))
+                except _FAILURES as e:
+                    raise self._lost(request_id, generation, e) from None
+                yield from outs
+                if outs and outs[-1]["finished"]:
+                    return
+        finally:
+            self._forget(request_id)
+
+    async def astream(self, request_id: str) -> AsyncIterator[dict]:
+        """`stream` for asyncio callers (an HTTP server): polls without blocking the event loop."""
+        member, generation = self._watch(request_id)
+        try:
+            while True:
+                try:
+                    outs = await self._poll(request_id, member, generation)
+                except _FAILURES as e:  # a restart takes seconds: not on the event loop
+                    raise await asyncio.to_thread(self._lost, request_id, generation, e) from None
                 for out in outs:
                     yield out
-                    if out["finished"]:
-                        return
+                if outs and outs[-1]["finished"]:
+                    return
         finally:
-            with self._lock:
-                self._owner.pop(request_id, None)
+            self._forget(request_id)
+
+    def _watch(self, request_id: str):
+        with self._lock:
+            rank, generation = self._owner[request_id]
+            return self.members[rank], generation
+
+    def _poll(self, request_id: str, member, generation: int) -> ray.ObjectRef:
+        if generation != self.generation:  # the gang failed under another request
+            raise InstanceError(self._failures[generation])
+        return member.poll.remote(request_id)
+
+    def _lost(self, request_id: str, generation: int, cause: BaseException) -> InstanceError:
+        reason = self._fail(generation, cause)
+        return InstanceError(f"request {request_id} was lost: {reason}. The instance restarted its gang; "
+                             "resubmit the request")
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._owner.pop(request_id, None)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[dict]:
         """Run prompts to completion across the ranks: per prompt, its token ids, text and finish
@@ -257,10 +288,11 @@ class Instance:
             results.append({"token_ids": tokens, "text": text, "finish_reason": reason})
         return results
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request and free its state (a request of a failed gang is already gone)."""
+    def abort(self, request_id: str, rank: int | None = None) -> None:
+        """Stop a request and free its state (a request of a failed gang is already gone). `rank`:
+        where a request not streamed from here runs (a pushed prefill)."""
         with self._lock:
-            rank, generation = self._owner.pop(request_id, (None, None))
+            rank, generation = self._owner.pop(request_id, (rank, self.generation if rank is not None else None))
             if generation == self.generation:
                 try:
                     ray.get(self.members[rank].abort.remote(request_id))
