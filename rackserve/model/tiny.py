@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from rackserve.config import CSA, HCA, SLIDING, ModelConfig
 from rackserve.model.loader import build_model
-from rackserve.model.tokenizer import save_tokenizer, train_byte_bpe
+from rackserve.model.tokenizer import CHAT_TEMPLATE, save_tokenizer, train_byte_bpe
 
 TINY_CONFIG = {
     "model_type": "deepseek_v4",
@@ -121,9 +121,25 @@ def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None, hot_e
     return path
 
 
+def _tokenizer_is_current(path: Path) -> bool:
+    """Whether `path`'s tokenizer_config.json has today's chat template (older caches have none, or an older one)."""
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    return config.get("chat_template") == CHAT_TEMPLATE
+
+
 def ensure_tiny(path: str | Path | None = None) -> Path:
-    """The tiny checkpoint at `path` (default cache dir), made once if it is not there yet."""
+    """The tiny checkpoint at `path` (default cache dir), made once if it is not there yet.
+
+    A checkpoint cached by an older rackserve gets today's tokenizer files (chat template included); its
+    weights stay as they are, since the tokenizer does not depend on the seed.
+    """
     path = Path(path) if path else default_cache_dir()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         make_tiny(path)
+    elif not _tokenizer_is_current(path):
+        vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+        save_tokenizer(train_byte_bpe(vocab_size), path)
     return path

@@ -7,6 +7,7 @@ download: every byte is in the base alphabet, so any UTF-8 text encodes and roun
 from __future__ import annotations
 
 import json
+import uuid
 from functools import cached_property
 from pathlib import Path
 
@@ -52,16 +53,16 @@ def train_byte_bpe(vocab_size: int) -> HFTokenizer:
 def save_tokenizer(tok: HFTokenizer, path: Path) -> None:
     """Write tokenizer.json and tokenizer_config.json (special tokens, chat template) into `path`.
 
-    Each file is written under a temporary name and renamed, config last, so a reader (another process
-    upgrading the same cached checkpoint) never sees a half-written file, and a current config means a
+    Each file is written under a temporary name of its own and renamed, config last: processes upgrading
+    the same cached checkpoint at once never see a half-written file, and a current config means a
     complete tokenizer.json.
     """
-    tmp = path / "tokenizer.json.tmp"
+    tmp = path / f"tokenizer.json.{uuid.uuid4().hex}.tmp"
     tok.save(str(tmp))
     tmp.replace(path / "tokenizer.json")
     config = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "chat_template": CHAT_TEMPLATE,
               "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096}
-    tmp = path / "tokenizer_config.json.tmp"
+    tmp = path / f"tokenizer_config.json.{uuid.uuid4().hex}.tmp"
     tmp.write_text(json.dumps(config, indent=2) + "\n")
     tmp.replace(path / "tokenizer_config.json")
 
@@ -77,6 +78,12 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(file))
         cfg_file = path / "tokenizer_config.json"
         self.config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        template = self.config.get("chat_template")
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            # newer transformers save the template beside tokenizer_config.json instead of in it
+            template = jinja_file.read_text()
+        self._template_source = template
         self.bos_id = self._special_id("bos_token")
         self.eos_id = self._special_id("eos_token")
 
@@ -92,13 +99,13 @@ class Tokenizer:
 
     @cached_property
     def _chat_template(self) -> jinja2.Template:
-        source = self.config.get("chat_template")
+        source = self._template_source
         if isinstance(source, list):  # [{"name": ..., "template": ...}]: several named templates
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
         if not isinstance(source, str):
             raise ValueError("this model's tokenizer_config.json has no chat_template; use /v1/completions")
-        # as Hugging Face renders chat templates, so templates written for transformers render the same here;
-        # the sandbox keeps a checkpoint's template from reaching Python internals
+        # Hugging Face's rendering environment, so templates written for transformers render the same here;
+        # the sandbox keeps a checkpoint's template away from Python internals
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = _raise_template_error
         try:

@@ -325,8 +325,8 @@ def parse_completion(body: dict, served_models: list[str]) -> CompletionRequest:
 def _text_part(where: str, part: object) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
-    kind = part.get("type") if isinstance(part, dict) else _json_type(part)
-    raise _invalid(f"{where} is {_show(kind)}; only text parts {{\"type\": \"text\", \"text\": \"...\"}} "
+    what = f"has type {_show(part.get('type'))}" if isinstance(part, dict) else f"is a JSON {_json_type(part)}"
+    raise _invalid(f"{where} {what}; only text parts {{\"type\": \"text\", \"text\": \"...\"}} "
                    "are supported", "messages")
 
 
