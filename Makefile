@@ -1,4 +1,5 @@
-# Two commands: `make generate` runs the main job, `make test` runs the tests.
+# Two commands: `make serve` runs the main job (the OpenAI endpoint on 127.0.0.1:8000), `make test`
+# runs the tests.
 # Each creates .venv and installs what it needs on a fresh machine.
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +9,7 @@ PROMPT ?= The rack hums
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rackserve-installed
 
-.PHONY: install test test-fast generate clean
+.PHONY: install test test-fast serve generate clean
 
 install: $(STAMP)
 
@@ -25,6 +26,9 @@ test: $(STAMP)
 # Everything except the tests marked slow, for quick local iterations.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(BIN)/rackserve serve $(if $(CONFIG),--config $(CONFIG))
 
 generate: $(STAMP)
 	$(BIN)/rackserve generate "$(PROMPT)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -79,7 +80,49 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--spread", action="store_true", help="spread each role's instances across racks")
     pl.add_argument("--png", help="also draw the plan to this PNG file (needs matplotlib)")
     pl.set_defaults(func=_plan)
+
+    sv = sub.add_parser("serve", help="serve the OpenAI-compatible endpoint (default: the tiny model on a local "
+                                      "Ray: one prefill DEP2, one decode DEP2, one KV store, on 127.0.0.1:8000)")
+    sv.add_argument("--config", help="a serve config, e.g. deploy/tiny-cpu.yaml (its rackserve: section)")
+    sv.add_argument("--model", help='"tiny" or a checkpoint directory (overrides the config)')
+    sv.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, help="port (default 8000)")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
+    sv.add_argument("--address", default=None, help="a running Ray cluster to join (default: start a local one)")
+    sv.set_defaults(func=_serve)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import time
+
+    import ray
+    from ray import serve
+
+    from rackserve.serve.app import build
+    from rackserve.serve.config import ServeConfig
+
+    config = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
+    overrides = {k: v for k, v in (("model", args.model), ("host", args.host), ("port", args.port),
+                                   ("api_key", args.api_key)) if v is not None}
+    config = ServeConfig.from_dict({**config.to_dict(), **overrides})
+    ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    print(f"starting the {config.prefill} prefill + {config.decode} decode deployment of {config.model_name!r} ...",
+          flush=True)
+    serve.run(build(config.to_dict()), name="rackserve", route_prefix="/")
+    url = f"http://{config.host}:{config.port}"
+    auth = f' -H "Authorization: Bearer {config.api_key}"' if config.api_key else ""
+    example = json.dumps({"model": config.model_name, "prompt": "The rack hums", "max_tokens": 16, "temperature": 0})
+    print(f"\nrackserve is serving {config.model_name!r} at {url}/v1 (OpenAI-compatible); try:\n\n"
+          f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{example}'\n\n"
+          "Ctrl-C stops it.", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

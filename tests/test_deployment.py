@@ -80,7 +80,7 @@ def test_a_dead_kv_store_and_a_dead_prefill_rank_cost_only_recomputation(deploym
     prompts = [prompt(n, seed=80 + n) for n in (20, 45)]
     got = deployment.generate(prompts, greedy)  # lookups fail: plain prefill
     assert [g["token_ids"] for g in got] == single(tiny_checkpoint, prompts, greedy)
-    assert deployment._dead_stores == {0}
+    assert deployment.dead_stores == {0}
 
     before = totals(deployment, "decode").get("kv_recomputed", 0)
     request = deployment.submit(prompt(30, seed=90), greedy)

@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import random
 import secrets
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import ray
 
-from rackserve.actors.instance import Instance
+from rackserve.actors.instance import Instance, InstanceError
 from rackserve.actors.kv_store import KVStore
 from rackserve.config import ConfigError
 from rackserve.engine import SamplingParams
@@ -69,13 +70,14 @@ class Deployment:
         store = ray.remote(KVStore).options(num_cpus=0, max_concurrency=8)
         self.stores = [store.remote(self.path, store_memory_mb, engine_kwargs=engine_kwargs, name=f"kvstore{i}-{tag}")
                        for i in range(kv_stores)]
-        self._dead_stores: set[int] = set()
+        self.dead_stores: set[int] = set()
         self._routes: dict[str, _Route] = {}
         self._decode_load: Counter = Counter()  # (instance, rank) -> state tokens held
         self._prefill_load: Counter = Counter()  # (instance, rank) -> tokens queued for prefill
         self._sessions: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}  # -> (decode, prefill) ranks
         self._ids = itertools.count()
         self._seeds = random.Random()
+        self._lock = threading.Lock()
         self._connect()
         for inst in self.prefill + self.decode:
             inst.on_restart = lambda _: self._connect()
@@ -83,7 +85,7 @@ class Deployment:
     # ---- wiring --------------------------------------------------------------------------------------
     def _store_of(self, index: int) -> int | None:
         """The KV store of the `index`-th rank (round robin over the live stores)."""
-        live = [i for i in range(len(self.stores)) if i not in self._dead_stores]
+        live = [i for i in range(len(self.stores)) if i not in self.dead_stores]
         return live[index % len(live)] if live else None
 
     def _connect(self) -> None:
@@ -94,7 +96,7 @@ class Deployment:
             try:
                 store_meta[i] = ray.get(store.metadata.remote())
             except ray.exceptions.RayActorError:
-                self._dead_stores.add(i)
+                self.dead_stores.add(i)
         decode_meta = [m for inst in self.decode for m in inst.kv_metadata()]
         index = itertools.count()
         for role, insts in (("decode", self.decode), ("prefill", self.prefill)):
@@ -112,7 +114,7 @@ class Deployment:
         try:
             return ray.get(getattr(self.stores[k], method).remote(*args))
         except ray.exceptions.RayActorError:
-            self._dead_stores.add(k)
+            self.dead_stores.add(k)
             return None
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -125,27 +127,41 @@ class Deployment:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and self.tokenizer else prompt
         if isinstance(ids, str):
             raise ValueError("this model has no tokenizer.json; send token ids instead of text")
-        decode_at, prefill_at = self._sessions.get(session, (None, None))
-        if decode_at is None:
-            decode_at = min(((i, r) for i, inst in enumerate(self.decode) for r in range(inst.dep)),
-                            key=lambda key: self._decode_load[key])
-        request_id = f"req-{next(self._ids)}-{secrets.token_hex(3)}"
-        _, reservation = self.decode[decode_at[0]].reserve(ids, params, request_id, rank=decode_at[1])
-        route = _Route(decode_at, None, 0, len(ids) + params.max_tokens)
+        # routing state is shared with streams ending on other threads: choose and count under the
+        # lock, talk to the actors outside it
+        with self._lock:
+            decode_at, prefill_at = self._sessions.get(session, (None, None))
+            if decode_at is None:
+                decode_at = min(((i, r) for i, inst in enumerate(self.decode) for r in range(inst.dep)),
+                                key=lambda key: self._decode_load[key])
+            route = _Route(decode_at, None, 0, len(ids) + params.max_tokens)
+            self._decode_load[decode_at] += route.decode_tokens
+            request_id = f"req-{next(self._ids)}-{secrets.token_hex(3)}"
+            self._routes[request_id] = route
+        try:
+            _, reservation = self.decode[decode_at[0]].reserve(ids, params, request_id, rank=decode_at[1])
+        except BaseException:
+            self._end(request_id, finished=True)
+            raise
         if reservation is not None:
             k = self._store_of(self._rank_index(decode_at))
             hit = self._call_store(k, "lookup", ids) if k is not None else None
-            if prefill_at is None:
-                prefill_at = min(((i, r) for i, inst in enumerate(self.prefill) for r in range(inst.dep)),
-                                 key=lambda key: self._prefill_load[key])
-            route.prefill, route.prefill_tokens = prefill_at, len(ids) - (hit[0] if hit else 0)
-            self.prefill[prefill_at[0]].submit(ids, params, request_id, rank=prefill_at[1], push_to=reservation,
-                                               cached=hit)
-            self._prefill_load[prefill_at] += route.prefill_tokens
-        self._decode_load[decode_at] += route.decode_tokens
-        self._routes[request_id] = route
+            with self._lock:
+                if prefill_at is None:
+                    prefill_at = min(((i, r) for i, inst in enumerate(self.prefill) for r in range(inst.dep)),
+                                     key=lambda key: self._prefill_load[key])
+                route.prefill, route.prefill_tokens = prefill_at, len(ids) - (hit[0] if hit else 0)
+                self._prefill_load[prefill_at] += route.prefill_tokens
+            # a prefill instance found dead here restarts and takes it; if it cannot, the decode
+            # rank's reservation expires and it prefills the request itself
+            try:
+                self.prefill[prefill_at[0]].submit(ids, params, request_id, rank=prefill_at[1], push_to=reservation,
+                                                   cached=hit)
+            except InstanceError:
+                pass
         if session is not None:
-            self._sessions[session] = (decode_at, prefill_at)
+            with self._lock:
+                self._sessions[session] = (decode_at, prefill_at)
         return request_id
 
     def _rank_index(self, at: tuple[int, int]) -> int:
@@ -171,19 +187,21 @@ class Deployment:
                 self._prefilled(route)
                 finished = out["finished"]
                 yield out
-        finally:
-            await asyncio.to_thread(self._end, request_id, finished)
+        finally:  # not awaited: under a cancelled task (a client gone) an await here would not run
+            asyncio.get_running_loop().run_in_executor(None, self._end, request_id, finished)
 
     def _prefilled(self, route: _Route) -> None:
         """The first output is out: the request no longer counts in its prefill rank's queue."""
-        if route.prefill is not None:
-            self._prefill_load[route.prefill] -= route.prefill_tokens
-            route.prefill_tokens = 0
+        if route.prefill is not None and route.prefill_tokens:
+            with self._lock:
+                self._prefill_load[route.prefill] -= route.prefill_tokens
+                route.prefill_tokens = 0
 
     def _end(self, request_id: str, finished: bool) -> None:
-        route = self._routes.pop(request_id)
-        self._prefilled(route)
-        self._decode_load[route.decode] -= route.decode_tokens
+        self._prefilled(self._routes[request_id])
+        with self._lock:
+            route = self._routes.pop(request_id)
+            self._decode_load[route.decode] -= route.decode_tokens
         if not finished:  # the caller went away: stop it on both sides and free its state
             self.decode[route.decode[0]].abort(request_id)
             if route.prefill is not None:

@@ -1,0 +1,247 @@
+"""The OpenAI-compatible HTTP endpoint: a FastAPI ingress on Ray Serve in front of one deployment.
+
+    POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending in [DONE])
+    GET  /v1/models, /health, /metrics
+
+`build(settings)` is the Ray Serve application builder (`serve run deploy/tiny-cpu.yaml`,
+`rackserve serve`). Every failure a client can cause is answered with an OpenAI-shaped 4xx and
+costs nobody else anything; more than `max_inflight` requests in progress get 429 + Retry-After.
+A client that goes away mid-stream aborts its request, which frees its state on every rank.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at runtime.
+# The helpers come before the deployment class: Ray Serve serialises the class when it is declared.
+
+import asyncio
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from ray import serve
+
+from rackserve.actors.instance import InstanceError
+from rackserve.serve import protocol as api
+from rackserve.serve.config import ServeConfig
+from rackserve.serve.controller import Controller
+from rackserve.serve.metrics import Metrics
+
+RETRY_AFTER_S = 1
+EXTRA_ONGOING = 64  # Serve admits this many beyond max_inflight, so health and metrics get through
+
+app = FastAPI(title="rackserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+class _Reply:
+    """One request's answer as it builds up: text, usage, logprobs, timings."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, request, arrival: float, tokenizer):
+        self.id, self.model, self.chat, self.request, self.arrival = request_id, model, chat, request, arrival
+        self.decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else str
+        self.text, self.logprobs, self.error, self.finish = "", [], None, None
+        self.usage = api.Usage(0, 0, 0)
+        self.first_at = self.last_at = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.request.logprobs if self.chat else self.request.base_params.logprobs is not None
+
+    def add(self, out: dict) -> dict | None:
+        """Take one engine output; the stream chunk to send for it, if any."""
+        now = time.monotonic()
+        self.first_at = self.first_at or now
+        self.last_at = now
+        if out.get("error"):
+            self.error = out["error"]
+            return None
+        self.text += out["new_text"]
+        self.usage = api.Usage(out.get("num_prompt_tokens", 0), out.get("num_output_tokens", 0),
+                               out.get("num_cached_tokens", 0))
+        entries = [vars(e) if not isinstance(e, dict) else e for e in out.get("new_logprobs", [])]
+        self.logprobs += entries
+        self.finish = out["finish_reason"] if out["finished"] else None
+        if not (out["new_text"] or self.finish):
+            return None
+        if self.chat:
+            lp = api.chat_logprobs(entries, self.decode) if self.wants_logprobs else None
+            return api.chat_chunk(self.id, self.model, out["new_text"], self.finish, logprobs=lp)
+        lp = api.completion_logprobs(entries, self.decode, len(self.text) - len(out["new_text"])) \
+            if self.wants_logprobs else None
+        return api.completion_chunk(self.id, self.model, out["new_text"], self.finish, logprobs=lp)
+
+    def response(self) -> dict:
+        if self.chat:
+            lp = api.chat_logprobs(self.logprobs, self.decode) if self.wants_logprobs else None
+            return api.chat_response(self.id, self.model, self.text, self.finish, self.usage, logprobs=lp)
+        lp = api.completion_logprobs(self.logprobs, self.decode) if self.wants_logprobs else None
+        return api.completion_response(self.id, self.model, self.text, self.finish, self.usage, logprobs=lp)
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refusing early (413) what is larger than the limit instead of reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > api.MAX_BODY_BYTES:
+        raise api.APIError(413, f"the request body is {int(declared)} bytes; the limit is {api.MAX_BODY_BYTES}",
+                           code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > api.MAX_BODY_BYTES:
+            raise api.APIError(413, f"the request body exceeds the {api.MAX_BODY_BYTES}-byte limit",
+                               code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error(e: api.APIError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_queued_requests=64)
+@serve.ingress(app)
+class OpenAIServer:
+    def __init__(self, settings: dict):
+        self.config = ServeConfig.from_dict(settings)
+        self.controller = Controller(self.config)
+        self.deployment = self.controller.deployment
+        self.metrics = Metrics()
+        self.inflight = 0
+
+    # ---- plain routes ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        report = await asyncio.to_thread(self.controller.health)
+        return JSONResponse(report, status_code=200 if report["healthy"] else 503)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+        except api.APIError as e:
+            return _error(e)
+        card = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "rackserve",
+                "max_model_len": self.controller.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/metrics")
+    async def prometheus(self) -> Response:
+        self.metrics.observe_deployment(await asyncio.to_thread(self.deployment.stats))
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    # ---- generation ----------------------------------------------------------------------------------
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            self._authorize(request)
+            body = api.parse_json(await _read_body(request))
+            req = (api.parse_chat if chat else api.parse_completion)(body, [self.config.model_name])
+            ids = self._prompt_ids(req, chat)
+            params = req.sampling(len(ids), self.controller.max_model_len)
+            if self.inflight >= self.config.max_inflight:
+                raise api.APIError(429, f"the server has {self.inflight} requests in progress, its limit; retry "
+                                        f"in {RETRY_AFTER_S} s", "rate_limit_error", code="server_busy")
+            self.inflight += 1
+        except api.APIError as e:
+            self.metrics.requests.labels(endpoint, e.status).inc()
+            return _error(e)
+        self.metrics.inflight.set(self.inflight)
+        arrival = time.monotonic()
+        try:
+            request_id = await asyncio.to_thread(self.deployment.submit, ids, params)
+        except (InstanceError, ValueError) as e:
+            self._done(endpoint, 503)
+            return _error(api.APIError(503, f"the deployment could not take the request: {e}", "server_error"))
+        reply = _Reply(api.new_request_id(chat), self.config.model_name, chat, req, arrival, self.controller.tokenizer)
+        if req.stream:
+            return StreamingResponse(self._events(request_id, reply, endpoint), media_type="text/event-stream")
+        status = 200
+        try:
+            async for out in self.deployment.astream(request_id):
+                reply.add(out)
+        except InstanceError as e:
+            status = 503
+            return _error(api.APIError(503, str(e), "server_error"))
+        finally:
+            self._done(endpoint, status, reply)
+        if reply.error:
+            self.metrics.requests.labels(endpoint, 400).inc()
+            return _error(api.APIError(400, reply.error))
+        return JSONResponse(reply.response())
+
+    async def _events(self, request_id: str, reply: _Reply, endpoint: str):
+        """The SSE body; closing it early (a client that went away) aborts the request."""
+        outputs = self.deployment.astream(request_id)
+        status = 200
+        try:
+            if reply.chat:
+                yield api.sse(api.chat_chunk(reply.id, reply.model, "", None, role=True))
+            async for out in outputs:
+                chunk = reply.add(out)
+                if chunk is not None:
+                    yield api.sse(chunk)
+            if reply.error:
+                yield api.sse(api.APIError(400, reply.error).body())
+            elif reply.request.include_usage:
+                yield api.sse(api.usage_chunk(reply.id, reply.model, reply.usage, reply.chat))
+            yield api.SSE_DONE
+        except InstanceError as e:
+            status = 503
+            yield api.sse(api.APIError(503, str(e), "server_error").body())
+            yield api.SSE_DONE
+        finally:
+            await outputs.aclose()  # aborts the request if it is still running
+            self._done(endpoint, status, reply)
+
+    def _done(self, endpoint: str, status: int, reply: _Reply | None = None) -> None:
+        self.inflight -= 1
+        self.metrics.inflight.set(self.inflight)
+        self.metrics.requests.labels(endpoint, status).inc()
+        if reply is not None and reply.first_at is not None:
+            m = self.metrics
+            m.ttft.observe(reply.first_at - reply.arrival)
+            if reply.usage.completion_tokens > 1:
+                m.tpot.observe((reply.last_at - reply.first_at) / (reply.usage.completion_tokens - 1))
+            m.prompt_tokens.inc(reply.usage.prompt_tokens)
+            m.cached_tokens.inc(reply.usage.cached_tokens)
+            m.output_tokens.inc(reply.usage.completion_tokens)
+
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise api.APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                               "authentication_error", code="invalid_api_key")
+
+    def _prompt_ids(self, req, chat: bool) -> list[int]:
+        tok = self.controller.tokenizer
+        if chat or isinstance(req.prompt, str):
+            if tok is None:
+                raise api.APIError(400, "this model has no tokenizer; send the prompt as token ids to /v1/completions",
+                                   param="prompt")
+        if chat:
+            try:
+                return tok.encode(tok.apply_chat_template(req.messages), add_bos=False)
+            except ValueError as e:
+                raise api.APIError(400, str(e), param="messages") from None
+        ids = tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        if any(not 0 <= t < self.controller.vocab_size for t in ids):
+            raise api.APIError(400, f"prompt token ids must be in [0, {self.controller.vocab_size})", param="prompt")
+        return ids
+
+
+def build(settings: dict | None = None) -> serve.Application:
+    """The Ray Serve application of a `ServeConfig` (its fields as a dict; defaults when empty)."""
+    config = ServeConfig.from_dict(settings or {})
+    return OpenAIServer.options(max_ongoing_requests=config.max_inflight + EXTRA_ONGOING).bind(config.to_dict())

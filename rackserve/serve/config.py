@@ -1,0 +1,73 @@
+"""What `rackserve serve` runs: one deployment behind one OpenAI-compatible endpoint."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from rackserve.config import ConfigError
+
+BUILDER = "rackserve.serve.app:build"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """model: "tiny" (built in) or a checkpoint directory; served_model_name: the `model` clients
+    send (default: "tiny" or the checkpoint directory's name); prefill / decode: instance shapes
+    ("1xDEP2", "2xAFD2+2"); kv_stores: KV-store actors; engine: `EngineConfig` fields of every rank;
+    api_key: when set, requests need `Authorization: Bearer <api_key>`; max_inflight: requests in
+    progress before new ones get 429 (backpressure, not an unbounded queue); timeout (s): a gang
+    member silent this long fails its instance."""
+
+    model: str = "tiny"
+    served_model_name: str | None = None
+    prefill: str = "1xDEP2"
+    decode: str = "1xDEP2"
+    kv_stores: int = 1
+    engine: dict = field(default_factory=dict)
+    store_memory_mb: float = 256.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_inflight: int = 256
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_inflight, int) or self.max_inflight < 1:
+            raise ConfigError(f"max_inflight={self.max_inflight!r} must be an integer ≥ 1")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ConfigError(f"port={self.port!r} must be an integer in [0, 65535]")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or ("tiny" if self.model == "tiny" else Path(self.model).name)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ServeConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown serve setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**raw)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ServeConfig:
+        """Read a serve config file: a Ray Serve config (deploy/tiny-cpu.yaml: the args of the app
+        built by `rackserve.serve.app:build`, with host and port from its http_options) or a plain
+        mapping of these fields."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"no serve config at {path}; see deploy/tiny-cpu.yaml for an example")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if "applications" not in raw:
+            return cls.from_dict(raw)
+        apps = [a for a in raw["applications"] if a.get("import_path") == BUILDER]
+        if len(apps) != 1:
+            raise ConfigError(f"{path} must have exactly one application with import_path {BUILDER}")
+        http = {k: v for k, v in (raw.get("http_options") or {}).items() if k in ("host", "port")}
+        return cls.from_dict({**http, **(apps[0].get("args") or {})})
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,56 @@
+"""Prometheus metrics of the endpoint: requests, latencies, tokens, state memory, EPLB, KV transfers.
+
+Request-path figures are recorded as requests run; deployment-wide figures (state memory, EPLB
+balancedness, KV transfer counters) are read from the ranks when `/metrics` is scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("rackserve_requests", "Requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.inflight = Gauge("rackserve_requests_inflight", "Requests in progress", registry=r)
+        self.ttft = Histogram("rackserve_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("rackserve_time_per_output_token_seconds", "Mean time between output tokens",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("rackserve_prompt_tokens", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter("rackserve_cached_prompt_tokens", "Prompt tokens served by a prefix cache",
+                                     registry=r)
+        self.output_tokens = Counter("rackserve_generation_tokens", "Output tokens (rate() = tokens/s)", registry=r)
+        self.state_bytes = Gauge("rackserve_state_bytes_in_use", "State memory in use, by role", ["role"], registry=r)
+        self.state_total = Gauge("rackserve_state_bytes_total", "State memory, by role", ["role"], registry=r)
+        self.balancedness = Gauge("rackserve_eplb_balancedness", "Expert load balancedness after the last EPLB "
+                                  "re-placement (mean / max rank load), by instance", ["instance"], registry=r)
+        self.kv = Gauge("rackserve_kv_transfers", "KV transfer counters summed over ranks, by kind", ["kind"],
+                        registry=r)
+
+    def observe_deployment(self, stats: dict) -> None:
+        """Refresh the deployment-wide gauges from `Deployment.stats()`."""
+        kv: dict[str, float] = {}
+        for role in ("prefill", "decode"):
+            used = total = 0
+            for inst in stats[role]:
+                for member in inst["members"]:
+                    used += member.get("state_bytes_in_use", 0)
+                    total += member.get("state_bytes_total", 0)
+                    for key, value in member.items():
+                        if key.startswith("kv_"):
+                            kv[key[3:]] = kv.get(key[3:], 0) + value
+                history = inst["members"][0].get("eplb_balancedness")
+                if history:
+                    self.balancedness.labels(inst["name"]).set(history[-1][1])
+            self.state_bytes.labels(role).set(used)
+            self.state_total.labels(role).set(total)
+        for kind, value in kv.items():
+            self.kv.labels(kind).set(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
