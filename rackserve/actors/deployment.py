@@ -203,7 +203,7 @@ class Deployment:
             route = self._routes.pop(request_id)
             self._decode_load[route.decode] -= route.decode_tokens
         if not finished:  # the caller went away: stop it on both sides and free its state
-            self.decode[route.decode[0]].abort(request_id)
+            self.decode[route.decode[0]].abort(request_id, rank=route.decode[1])
             if route.prefill is not None:
                 self.prefill[route.prefill[0]].abort(request_id, rank=route.prefill[1])
 

@@ -218,6 +218,7 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
             "state_bytes_in_use": self.cache.bytes_in_use,
+            "state_bytes_cached": self.cache.bytes_cached,
             "state_bytes_total": self.cache.bytes_total,
             **(self.balancer.stats() if self.balancer else {}),
             **({f"kv_{k}": v for k, v in asdict(self.kv.stats).items()} if self.kv else {}),

@@ -98,6 +98,12 @@ class StateCache:
         used_pages = self.num_pages - len(self._free_pages)
         return used_slots * self.state.slot_bytes + used_pages * self.state.page_bytes
 
+    @property
+    def bytes_cached(self) -> int:
+        """Of `bytes_in_use`, what only the prefix cache holds (snapshots, and blocks no request
+        holds): given back as soon as requests need it."""
+        return len(self._evictable) * self.state.page_bytes + self._num_snapshots * self.state.slot_bytes
+
     def pages_for(self, num_tokens: int) -> int:
         return self.state.pages_for(num_tokens)
 

@@ -14,6 +14,7 @@ A client that goes away mid-stream aborts its request, which frees its state on 
 
 import asyncio
 import hmac
+import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,7 @@ from rackserve.serve.config import ServeConfig
 from rackserve.serve.controller import Controller
 from rackserve.serve.metrics import Metrics
 
+logger = logging.getLogger("ray.serve")
 RETRY_AFTER_S = 1
 EXTRA_ONGOING = 64  # Serve admits this many beyond max_inflight, so health and metrics get through
 
@@ -159,6 +161,7 @@ class OpenAIServer:
         try:
             request_id = await asyncio.to_thread(self.deployment.submit, ids, params)
         except (InstanceError, ValueError) as e:
+            logger.warning("request refused: %s", e)
             self._done(endpoint, 503)
             return _error(api.APIError(503, f"the deployment could not take the request: {e}", "server_error"))
         reply = _Reply(api.new_request_id(chat), self.config.model_name, chat, req, arrival, self.controller.tokenizer)

@@ -25,7 +25,12 @@ class Metrics:
         self.cached_tokens = Counter("rackserve_cached_prompt_tokens", "Prompt tokens served by a prefix cache",
                                      registry=r)
         self.output_tokens = Counter("rackserve_generation_tokens", "Output tokens (rate() = tokens/s)", registry=r)
-        self.state_bytes = Gauge("rackserve_state_bytes_in_use", "State memory in use, by role", ["role"], registry=r)
+        self.state_bytes = Gauge("rackserve_state_bytes_in_use", "State memory held by requests, by role", ["role"],
+                                 registry=r)
+        self.cached_bytes = Gauge("rackserve_state_bytes_cached", "State memory held by the prefix cache only "
+                                  "(reclaimable), by role", ["role"], registry=r)
+        self.running = Gauge("rackserve_engine_requests", "Requests in the engines (running + waiting), by role",
+                             ["role"], registry=r)
         self.state_total = Gauge("rackserve_state_bytes_total", "State memory, by role", ["role"], registry=r)
         self.balancedness = Gauge("rackserve_eplb_balancedness", "Expert load balancedness after the last EPLB "
                                   "re-placement (mean / max rank load), by instance", ["instance"], registry=r)
@@ -36,18 +41,22 @@ class Metrics:
         """Refresh the deployment-wide gauges from `Deployment.stats()`."""
         kv: dict[str, float] = {}
         for role in ("prefill", "decode"):
-            used = total = 0
+            used = cached = total = running = 0
             for inst in stats[role]:
                 for member in inst["members"]:
                     used += member.get("state_bytes_in_use", 0)
+                    cached += member.get("state_bytes_cached", 0)
                     total += member.get("state_bytes_total", 0)
+                    running += member.get("running", 0) + member.get("waiting", 0)
                     for key, value in member.items():
                         if key.startswith("kv_"):
                             kv[key[3:]] = kv.get(key[3:], 0) + value
                 history = inst["members"][0].get("eplb_balancedness")
                 if history:
                     self.balancedness.labels(inst["name"]).set(history[-1][1])
-            self.state_bytes.labels(role).set(used)
+            self.state_bytes.labels(role).set(used - cached)
+            self.cached_bytes.labels(role).set(cached)
+            self.running.labels(role).set(running)
             self.state_total.labels(role).set(total)
         for kind, value in kv.items():
             self.kv.labels(kind).set(value)

@@ -1,0 +1,158 @@
+"""The OpenAI endpoint over real HTTP (Ray Serve on the session's cluster, a DEP1 prefill + DEP1
+decode deployment of the tiny model with a KV store): the official client, streaming and not, gives
+the Python API's greedy text; 100 concurrent streams all complete; bad requests get OpenAI-shaped
+4xx while others are served; the API key is enforced; a client that leaves mid-stream frees its
+state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from conftest import free_port
+from rackserve.engine import LLM, SamplingParams
+from rackserve.model.tokenizer import Tokenizer
+from rackserve.serve.app import build
+
+KEY = "test-key"
+PROMPT = "The rack hums"
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_checkpoint):
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    settings = {"model": str(tiny_checkpoint), "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "1xDEP1",
+                "kv_stores": 1, "api_key": KEY, "max_inflight": 128, "store_memory_mb": 16,
+                "engine": {"max_num_seqs": 32, "max_num_batched_tokens": 256, "state_memory_mb": 32, "kv_pool_mb": 8}}
+    serve.run(build(settings), name="rackserve-test", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.delete("rackserve-test")
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+def python_api_text(checkpoint, prompt: str | list[int], max_tokens: int) -> str:
+    [c] = LLM(checkpoint).generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return c.text
+
+
+@pytest.mark.slow
+def test_the_openai_client_gets_the_python_apis_text(client, tiny_checkpoint):
+    want = python_api_text(tiny_checkpoint, PROMPT, 12)
+    extra = {"ignore_eos": True}
+    done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body=extra)
+    assert done.choices[0].text == want and done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 12 and done.usage.prompt_tokens == len(Tokenizer(tiny_checkpoint).encode(PROMPT))
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 12
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the rack?"}]
+    tok = Tokenizer(tiny_checkpoint)
+    want = python_api_text(tiny_checkpoint, tok.encode(tok.apply_chat_template(messages), add_bos=False), 9)
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0, extra_body=extra)
+    assert chat.choices[0].message.content == want and chat.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0, stream=True,
+                                            extra_body=extra)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+@pytest.mark.slow
+def test_100_concurrent_streams_all_complete(server):
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[int, int]:
+        body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": 1 + i % 8, "temperature": 0.7, "seed": i,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        usage, done = None, False
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    usage = json.loads(line[6:]).get("usage") or usage
+        assert done
+        return usage["completion_tokens"], 1 + i % 8
+
+    async def run() -> list[tuple[int, int]]:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=300) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(100)))
+
+    results = asyncio.run(run())
+    assert len(results) == 100 and all(got == want for got, want in results)
+
+
+BAD = [
+    (b'{"model": "tiny", "prompt": ', 400, None),  # malformed JSON
+    (b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None),  # invalid UTF-8
+    (json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
+    (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, None),
+    (json.dumps({"model": "tiny", "prompt": ""}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 10**6}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "tiny", "prompt": "x", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": "tiny", "prompt": "x" * (10 << 20)}).encode(), 413, None),  # a 10 MB body
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body,status,param", BAD, ids=["json", "utf8", "type", "model", "empty", "max_tokens_0",
+                                                       "beyond_context", "n", "10MB"])
+def test_bad_requests_get_openai_errors_and_others_are_served(server, body, status, param):
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        r = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == status
+        error = r.json()["error"]
+        assert error["message"] and error["type"]
+        if param:
+            assert error["param"] == param
+        ok = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.slow
+def test_the_api_key_is_enforced(server):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server}/v1/models", timeout=60).status_code == 401
+    assert httpx.get(f"{server}/health", timeout=60).json()["healthy"]
+
+
+def state_in_use(server: str) -> float:
+    """State memory the decode ranks' requests hold (the prefix cache's share not counted)."""
+    text = httpx.get(f"{server}/metrics", timeout=60).text
+    return sum(float(v) for v in re.findall(r'^rackserve_state_bytes_in_use\{role="decode"\} (\S+)$', text, re.M))
+
+
+@pytest.mark.slow
+def test_a_client_leaving_mid_stream_frees_its_state(server):
+    baseline = state_in_use(server)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            for _ in range(5):
+                next(lines)
+            assert state_in_use(server) > baseline  # it holds state while it runs
+        # leaving the block closed the connection mid-stream
+    deadline = time.monotonic() + 30
+    while state_in_use(server) > baseline and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert state_in_use(server) == baseline
