@@ -90,3 +90,28 @@ def test_a_dead_kv_store_and_a_dead_prefill_rank_cost_only_recomputation(deploym
     assert totals(deployment, "decode")["kv_recomputed"] == before + 1
     [again] = deployment.generate([prompt(25, seed=91)], greedy)  # the prefill instance restarts
     assert again["token_ids"] == single(tiny_checkpoint, [prompt(25, seed=91)], greedy)[0]
+
+
+@pytest.mark.slow
+def test_a_controller_places_the_deployment_with_the_rack_planner(ray_cluster, tiny_checkpoint):
+    """topology "ray": the planner places a DEP1 prefill and a DEP2 decode instance on the labelled
+    cluster, with a KV store on every tray in use; every rank and store runs where planned."""
+    from rackserve.serve.config import ServeConfig
+    from rackserve.serve.controller import Controller
+
+    config = ServeConfig(model=str(tiny_checkpoint), prefill="1xDEP1", decode="1xDEP2", kv_stores="per_tray",
+                         topology="ray", engine=ENGINE, store_memory_mb=16)
+    controller = Controller(config)
+    try:
+        dep = controller.deployment
+        for inst in dep.prefill + dep.decode:
+            planned = controller.plan.instance(inst.name)
+            where = [(p["labels"]["rackserve.io/rack"], p["labels"]["rackserve.io/tray"]) for p in inst.ping()]
+            assert where == [(g.rack, g.tray) for g in planned.gpus]
+        assert len(dep.stores) == len(controller.plan.kv_stores) >= 1
+        assert controller.health()["healthy"]
+        greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        got = dep.generate([prompt(21, seed=3)], greedy)
+        assert got[0]["token_ids"] == single(tiny_checkpoint, [prompt(21, seed=3)], greedy)[0]
+    finally:
+        controller.shutdown()

@@ -35,6 +35,8 @@ from rackserve.engine import SamplingParams
 from rackserve.model.tiny import ensure_tiny
 from rackserve.model.tokenizer import Tokenizer
 from rackserve.placement import InstanceGroup
+from rackserve.placement.planner import Plan
+from rackserve.placement.ray_groups import kv_store_options
 
 
 @dataclass
@@ -48,28 +50,48 @@ class _Route:
 class Deployment:
     def __init__(self, model: str | Path = "tiny", prefill: str = "1xDEP1", decode: str = "1xDEP2",
                  kv_stores: int = 1, engine_kwargs: dict | None = None, store_memory_mb: float = 256.0,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, decode_redundant_slots: int = 0, plan: Plan | None = None,
+                 placement_groups: dict | None = None, bundle_resources: dict[str, float] | None = None,
+                 prefill_engine_kwargs: dict | None = None, decode_engine_kwargs: dict | None = None):
         """`prefill` / `decode`: instance shapes as the planner writes them ("2xDEP2", "DEP4",
         "AFD2+2"); `kv_stores`: KV-store actors (0: none); `engine_kwargs`: `EngineConfig` fields of
-        every rank (both roles: the state layout must match)."""
-        p, d = InstanceGroup.parse(prefill, "prefill"), InstanceGroup.parse(decode, "decode")
-        if p.count < 1 or d.count < 1:
+        every rank, with `prefill_engine_kwargs` / `decode_engine_kwargs` on top for one role (the
+        state layout, i.e. block size and dtype, must match across roles); `decode_redundant_slots`:
+        extra expert slots (EPLB replicas) per decode instance. With a `plan` (`placement.plan`) and
+        its `placement_groups` (`placement.ray_groups`, made with `bundle_resources`), the instances
+        and KV stores are the plan's, each rank and store where the plan put it; `prefill`, `decode`
+        and `kv_stores` are then the plan's too."""
+        groups = [InstanceGroup.parse(prefill, "prefill"), InstanceGroup.parse(decode, "decode")]
+        if plan is None and (groups[0].count < 1 or groups[1].count < 1):
             raise ConfigError(f"prefill={prefill!r}, decode={decode!r}: a deployment needs at least one of each")
-        if kv_stores < 0:
+        if plan is None and kv_stores < 0:
             raise ConfigError(f"kv_stores={kv_stores} must be ≥ 0")
         self.path = str(ensure_tiny() if str(model) == "tiny" else Path(model))
         self.tokenizer = Tokenizer(self.path) if (Path(self.path) / "tokenizer.json").is_file() else None
         engine_kwargs = dict(engine_kwargs or {})
         tag = secrets.token_hex(3)
+        role_kwargs = {"prefill": {"engine_kwargs": {**engine_kwargs, **(prefill_engine_kwargs or {})}},
+                       "decode": {"engine_kwargs": {**engine_kwargs, **(decode_engine_kwargs or {})},
+                                  "redundant_slots": decode_redundant_slots}}
+        common = {"timeout": timeout, "kv": True}
 
-        def instances(group: InstanceGroup) -> list[Instance]:
-            return [Instance(self.path, dep=group.size, expert_ranks=group.expert_ranks, engine_kwargs=engine_kwargs,
-                             timeout=timeout, name=f"{group.role}{i}-{tag}", kv=True) for i in range(group.count)]
+        def new_store(i: int, options: dict):
+            options = {"num_cpus": 0, "max_concurrency": 8, **options}
+            return ray.remote(KVStore).options(**options).remote(self.path, store_memory_mb,
+                                                                 engine_kwargs=engine_kwargs, name=f"kvstore{i}-{tag}")
 
-        self.decode, self.prefill = instances(d), instances(p)
-        store = ray.remote(KVStore).options(num_cpus=0, max_concurrency=8)
-        self.stores = [store.remote(self.path, store_memory_mb, engine_kwargs=engine_kwargs, name=f"kvstore{i}-{tag}")
-                       for i in range(kv_stores)]
+        if plan is None:
+            self.decode, self.prefill = ([Instance(self.path, dep=g.size, expert_ranks=g.expert_ranks,
+                                                   name=f"{g.role}{i}-{tag}", **common, **role_kwargs[g.role])
+                                          for i in range(g.count)] for g in reversed(groups))
+            self.stores = [new_store(i, {}) for i in range(kv_stores)]
+        else:
+            self.decode, self.prefill = ([Instance.from_plan(p, placement_groups[p.name], self.path, bundle_resources,
+                                                             **common, **role_kwargs[role])
+                                          for p in plan.instances if p.role == role] for role in ("decode", "prefill"))
+            if not self.decode or not self.prefill:
+                raise ConfigError("the plan needs at least one prefill and one decode instance")
+            self.stores = [new_store(i, kv_store_options(s, num_cpus=0)) for i, s in enumerate(plan.kv_stores)]
         self.dead_stores: set[int] = set()
         self._routes: dict[str, _Route] = {}
         self._decode_load: Counter = Counter()  # (instance, rank) -> state tokens held

@@ -16,7 +16,12 @@ BUILDER = "rackserve.serve.app:build"
 class ServeConfig:
     """model: "tiny" (built in) or a checkpoint directory; served_model_name: the `model` clients
     send (default: "tiny" or the checkpoint directory's name); prefill / decode: instance shapes
-    ("1xDEP2", "2xAFD2+2"); kv_stores: KV-store actors; engine: `EngineConfig` fields of every rank;
+    ("1xDEP2", "2xAFD2+2"); kv_stores: KV-store actors (a number), or with a topology their layout
+    ("per_tray", "per_rack", "none"); engine: `EngineConfig` fields of every rank, prefill_engine /
+    decode_engine: more of them for one role; decode_redundant_slots: extra expert slots per decode
+    instance (EPLB replicas); topology: place the instances with the rack
+    planner on this topology ("ray": read from the cluster's node labels, else a topology file);
+    bundle_resources: what one rank's placement-group bundle reserves (default {"GPU": 1});
     api_key: when set, requests need `Authorization: Bearer <api_key>`; max_inflight: requests in
     progress before new ones get 429 (backpressure, not an unbounded queue); timeout (s): a gang
     member silent this long fails its instance."""
@@ -25,8 +30,13 @@ class ServeConfig:
     served_model_name: str | None = None
     prefill: str = "1xDEP2"
     decode: str = "1xDEP2"
-    kv_stores: int = 1
+    kv_stores: int | str = 1
     engine: dict = field(default_factory=dict)
+    prefill_engine: dict = field(default_factory=dict)
+    decode_engine: dict = field(default_factory=dict)
+    decode_redundant_slots: int = 0
+    topology: str | None = None
+    bundle_resources: dict | None = None
     store_memory_mb: float = 256.0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -35,6 +45,9 @@ class ServeConfig:
     timeout: float = 30.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_stores, str) != (self.topology is not None):
+            raise ConfigError(f"kv_stores={self.kv_stores!r}: give a number without a topology, and a layout "
+                              "('per_tray', 'per_rack' or 'none') with one")
         if not isinstance(self.max_inflight, int) or self.max_inflight < 1:
             raise ConfigError(f"max_inflight={self.max_inflight!r} must be an integer ≥ 1")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:

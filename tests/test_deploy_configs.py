@@ -1,0 +1,52 @@
+"""The deploy/ files: valid Ray Serve configs whose app args are valid serve configs; the GB300
+deployment plans onto its topology without stranding a GPU; the KubeRay manifest carries a valid app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from rackserve.config import EngineConfig, ModelConfig
+from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
+from rackserve.serve.config import BUILDER, ServeConfig
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu.yaml", "gb300-nvl72.yaml"])
+def test_serve_configs_are_valid_for_ray_serve_and_for_us(name):
+    raw = yaml.safe_load((DEPLOY / name).read_text())
+    schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(raw)
+    assert [app.import_path for app in schema.applications] == [BUILDER]
+    config = ServeConfig.from_yaml(DEPLOY / name)
+    assert config.port == raw["http_options"]["port"]
+
+
+def test_the_gb300_deployment_plans_onto_four_nvl72_racks():
+    config = ServeConfig.from_yaml(DEPLOY / "gb300-nvl72.yaml")
+    topology = Topology.from_yaml(DEPLOY.parent / config.topology)
+    roles = (InstanceGroup.parse(config.prefill, "prefill"), InstanceGroup.parse(config.decode, "decode"))
+    placed = plan(topology, PlacementSpec(roles, kv_stores=config.kv_stores))
+    assert placed.summary() == {"racks_used": 4, "gpus_used": 288, "gpus_total": 288, "stranded_gpus": 0,
+                                "instances": 54, "kv_stores": 72}
+    assert all(len({(g.rack, g.tray) for g in i.gpus}) == 1 for i in placed.instances if i.role == "prefill")
+    from transformers import DeepseekV4Config
+
+    flash = ModelConfig.from_dict(DeepseekV4Config().to_dict())  # a V4-Flash-class model
+    for role in (config.prefill_engine, config.decode_engine):
+        engine = EngineConfig(**{**config.engine, **role}).resolve(flash)
+        assert engine.block_size == 128 and engine.max_model_len == 131072
+    assert EngineConfig(**{**config.engine, **config.decode_engine}).eplb_interval == 3000
+    assert config.decode_redundant_slots == 32
+
+
+def test_the_kuberay_service_carries_a_valid_app():
+    service = yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+    assert service["kind"] == "RayService"
+    [app] = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    assert app["import_path"] == BUILDER
+    assert ServeConfig.from_dict(app["args"]).model == "tiny"
