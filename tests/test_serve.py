@@ -156,3 +156,34 @@ def test_a_client_leaving_mid_stream_frees_its_state(server):
     while state_in_use(server) > baseline and time.monotonic() < deadline:
         time.sleep(0.2)
     assert state_in_use(server) == baseline
+
+
+@pytest.mark.slow
+def test_backpressure_answers_429_instead_of_queueing(server, tiny_checkpoint):
+    """A second app on the same Serve instance, allowed one request in progress: the next gets 429
+    with Retry-After at once, and is served once the first is done."""
+    settings = {"model": str(tiny_checkpoint), "served_model_name": "busy", "prefill": "1xDEP1", "decode": "1xDEP1",
+                "kv_stores": 0, "max_inflight": 1, "engine": {"state_memory_mb": 16, "kv_pool_mb": 4}}
+    serve.run(build(settings), name="rackserve-busy", route_prefix="/busy")
+    try:
+        body = {"model": "busy", "prompt": PROMPT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        short = {"model": "busy", "prompt": PROMPT, "max_tokens": 2}
+        with httpx.Client(base_url=f"{server}/busy", timeout=60) as http:
+            deadline = time.monotonic() + 30  # until the HTTP proxy routes /busy to the new app
+            while http.get("/v1/models").json()["data"][0]["id"] != "busy" and time.monotonic() < deadline:
+                time.sleep(0.2)
+            with http.stream("POST", "/v1/completions", json=body) as first:
+                lines = first.iter_lines()
+                assert next(lines).startswith("data: ")
+                assert "rackserve_requests_inflight 1.0" in http.get("/metrics").text.splitlines()
+                start = time.monotonic()
+                busy = http.post("/v1/completions", json=short)
+                assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+                assert busy.json()["error"]["type"] == "rate_limit_error"
+                assert time.monotonic() - start < 5  # refused at once, not queued
+            deadline = time.monotonic() + 30
+            while (r := http.post("/v1/completions", json=short)).status_code == 429 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert r.status_code == 200
+    finally:
+        serve.delete("rackserve-busy")

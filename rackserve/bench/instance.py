@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = workload(args.requests, args.isl)
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)  # a private cluster, not a neighbour's
 
     single = run_single(prompts, params, args.batch)
     results = {dep: run_instance(dep, prompts, params, args.batch) for dep in sizes}

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     memcpy = memcpy_times(sizes, args.repeats)  # before any agent polls a core
     started = not ray.is_initialized()
     if started:  # 1 GiB of object store: room for a 256 MiB object and the next one
-        ray.init(include_dashboard=False, log_to_driver=False, object_store_memory=1 << 30)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, object_store_memory=1 << 30)
     try:
         times, idle_cores = transfer_times(sizes, args.repeats)
     finally:
