@@ -14,9 +14,9 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import free_port
 from ray import serve
 
-from conftest import free_port
 from rackserve.engine import LLM, SamplingParams
 from rackserve.model.tokenizer import Tokenizer
 from rackserve.serve.app import build
@@ -54,7 +54,8 @@ def test_the_openai_client_gets_the_python_apis_text(client, tiny_checkpoint):
     extra = {"ignore_eos": True}
     done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body=extra)
     assert done.choices[0].text == want and done.choices[0].finish_reason == "length"
-    assert done.usage.completion_tokens == 12 and done.usage.prompt_tokens == len(Tokenizer(tiny_checkpoint).encode(PROMPT))
+    assert done.usage.completion_tokens == 12
+    assert done.usage.prompt_tokens == len(Tokenizer(tiny_checkpoint).encode(PROMPT))
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
                                             stream_options={"include_usage": True}, extra_body=extra))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
@@ -63,7 +64,8 @@ def test_the_openai_client_gets_the_python_apis_text(client, tiny_checkpoint):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the rack?"}]
     tok = Tokenizer(tiny_checkpoint)
     want = python_api_text(tiny_checkpoint, tok.encode(tok.apply_chat_template(messages), add_bos=False), 9)
-    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0, extra_body=extra)
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0,
+                                          extra_body=extra)
     assert chat.choices[0].message.content == want and chat.choices[0].message.role == "assistant"
     stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0, stream=True,
                                             extra_body=extra)
