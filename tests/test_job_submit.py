@@ -1,0 +1,67 @@
+"""`ray job submit --working-dir . -- python deploy/job.py --config deploy/tiny-cpu.yaml` against a
+local Ray head of its own starts the endpoint, which then serves completions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def ray_head():
+    """A head node in its own process group (so stopping it leaves the session's cluster alone),
+    every port its own, and this interpreter's tools first on PATH (the job runs `python`)."""
+    ports = {name: free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
+                                            "dashboard-agent-grpc-port", "metrics-export-port",
+                                            "runtime-env-agent-port", "node-manager-port", "object-manager-port",
+                                            "ray-client-server-port")}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+    args = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--num-cpus", "4",
+            "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats",
+            "--temp-dir", f"/tmp/rackserve-job-{os.getpid()}", *[f"--{k}={v}" for k, v in ports.items()]]
+    head = subprocess.Popen(args, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    dashboard = f"http://127.0.0.1:{ports['dashboard-port']}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the job agent registers a little after the dashboard answers
+        try:
+            if httpx.get(f"{dashboard}/api/version", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(1)
+    yield dashboard, env
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_ray_job_submit_starts_the_endpoint(ray_head):
+    dashboard, env = ray_head
+    port = free_port()
+    submit = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", dashboard, "--working-dir", ".",
+              "--", "python", "deploy/job.py", "--config", "deploy/tiny-cpu.yaml", "--port", str(port)]
+    for _ in range(10):  # "No available agent" until the head's job agent has registered
+        done = subprocess.run(submit, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+        if "No available agent" not in done.stdout + done.stderr:
+            break
+        time.sleep(3)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"rackserve is serving 'tiny' at http://127.0.0.1:{port}/v1" in done.stdout
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": "The rack hums", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
