@@ -4,9 +4,7 @@
 
 It joins the cluster the job runs on, starts Ray Serve's HTTP proxy where the config says, deploys
 the app, waits until it answers, prints the URL and returns; the app keeps serving after the job
-ends (`serve shutdown` stops it). Start the cluster's nodes with RAY_SERVE_THROUGHPUT_OPTIMIZED=1
-in their environment (`rackserve.serve.SERVE_ENV`): Serve's fast data plane, a few ms of TTFT
-instead of tens.
+ends (`serve shutdown` stops it).
 """
 
 from __future__ import annotations

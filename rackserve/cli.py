@@ -99,7 +99,6 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from rackserve.serve import use_serve_env
     from rackserve.serve.app import build
     from rackserve.serve.config import ServeConfig
 
@@ -107,7 +106,6 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("model", args.model), ("host", args.host), ("port", args.port),
                                    ("api_key", args.api_key)) if v is not None}
     config = ServeConfig.from_dict({**config.to_dict(), **overrides})
-    use_serve_env()  # a cluster started here gets it; one joined with --address should be started with it
     ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": config.host, "port": config.port})
     print(f"starting the {config.prefill} prefill + {config.decode} decode deployment of {config.model_name!r} ...",

@@ -92,9 +92,6 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from rackserve.serve import use_serve_env
-
-    use_serve_env()  # the Serve data plane `rackserve serve` uses, inherited by the nodes started here
     node = {"num_cpus": 1, "num_gpus": GPUS_PER_TRAY, "object_store_memory": 80 << 20}
     labels = [{"rackserve.io/rack": f"rack{r}", "rackserve.io/tray": f"tray{t}"}
               for r in range(RACKS) for t in range(TRAYS)]

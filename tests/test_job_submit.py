@@ -14,7 +14,6 @@ import httpx
 import pytest
 
 from conftest import free_port
-from rackserve.serve import SERVE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +27,7 @@ def ray_head():
                                             "runtime-env-agent-port", "node-manager-port", "object-manager-port",
                                             "ray-client-server-port")}
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "", **SERVE_ENV}
+           "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
     args = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--num-cpus", "4",
             "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats",
             "--temp-dir", f"/tmp/rackserve-job-{os.getpid()}", *[f"--{k}={v}" for k, v in ports.items()]]

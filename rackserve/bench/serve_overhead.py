@@ -42,7 +42,6 @@ from ray import serve
 from rackserve.actors.deployment import Deployment
 from rackserve.bench.instance import workload
 from rackserve.engine import SamplingParams
-from rackserve.serve import use_serve_env
 from rackserve.serve.app import build
 
 SHAPE = {"model": "tiny", "prefill": "1xDEP1", "decode": "1xDEP1", "kv_stores": 1, "store_memory_mb": 16}
@@ -146,7 +145,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     started_ray = not ray.is_initialized()
     if started_ray:
-        use_serve_env()  # the endpoint as `rackserve serve` runs it
         ray.init(address="local", include_dashboard=False, log_to_driver=False)  # a private cluster, not a neighbour's
     started_serve = not serve.status().proxies
     try:
