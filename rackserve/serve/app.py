@@ -101,7 +101,7 @@ def _error(e: api.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_queued_requests=64)
+@serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIServer:
     def __init__(self, settings: dict):
