@@ -61,7 +61,13 @@ class DPRank(GangMember):
             if item[0] == "reserve":
                 self._outputs[item[1]] = []
         self._wake.set()
-        return future.result()
+        try:
+            return future.result()
+        except Exception:
+            if item[0] == "reserve":  # refused: nothing will be streamed for it
+                with self._lock:
+                    self._outputs.pop(item[1], None)
+            raise
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: dict, push_to: list | None = None,
