@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 _enabled = os.environ.get("RACKSERVE_PROFILE") == "1"
 _totals: defaultdict[str, float] = defaultdict(float)
-_stack: list[list] = []  # [name, start, seconds spent in nested phases]
+_stack: list[_Phase] = []  # the phases open now, innermost last
 
 
 def enable(on: bool = True) -> None:
@@ -34,23 +34,33 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-@contextmanager
-def phase(name: str):
-    if not _enabled:
-        yield
-        return
-    _sync()
-    frame = [name, time.perf_counter(), 0.0]
-    _stack.append(frame)
-    try:
-        yield
-    finally:
+class _Phase:
+    """One timed phase (exclusive of the phases nested in it)."""
+
+    def __init__(self, name: str):
+        self.name, self.nested = name, 0.0
+
+    def __enter__(self) -> None:
         _sync()
-        elapsed = time.perf_counter() - frame[1]
+        self.start = time.perf_counter()
+        _stack.append(self)
+
+    def __exit__(self, *exc) -> None:
+        _sync()
+        elapsed = time.perf_counter() - self.start
         _stack.pop()
-        _totals[name] += elapsed - frame[2]
+        _totals[self.name] += elapsed - self.nested
         if _stack:
-            _stack[-1][2] += elapsed
+            _stack[-1].nested += elapsed
+
+
+_OFF = nullcontext()
+
+
+def phase(name: str) -> AbstractContextManager:
+    """`with phase("attention"): ...` times the block when timing is on; off, it is a shared no-op
+    (it sits on the per-layer path)."""
+    return _Phase(name) if _enabled else _OFF
 
 
 def totals() -> dict[str, float]:
