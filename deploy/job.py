@@ -2,47 +2,40 @@
 
     ray job submit --working-dir . -- python deploy/job.py --config deploy/tiny-cpu.yaml
 
-It joins the cluster the job runs on, starts Ray Serve's HTTP proxy where the config says, deploys
-the app, waits until it answers, prints the URL and returns; the app keeps serving after the job
-ends (`serve shutdown` stops it).
+It joins the cluster the job runs on, starts Ray Serve for the config's ingress (its HTTP proxy, or
+none when the replica serves directly: see `rackserve.serve.ingress`), deploys the app, waits until
+it answers, prints the URL and returns; the app keeps serving after the job ends (`serve shutdown`
+stops it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
-import urllib.request
 
 import ray
 from ray import serve
 
+from rackserve.serve import ingress
 from rackserve.serve.app import build
 from rackserve.serve.config import ServeConfig
+from rackserve.serve.ingress import INGRESS_KINDS
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="deploy/tiny-cpu.yaml", help="a serve config (deploy/*.yaml)")
     parser.add_argument("--port", type=int, help="override the config's HTTP port")
+    parser.add_argument("--ingress", choices=INGRESS_KINDS,
+                        help="override the config's ingress ('direct' needs a cluster started for it)")
     args = parser.parse_args()
     config = ServeConfig.from_yaml(args.config)
-    if args.port is not None:
-        config = ServeConfig.from_dict({**config.to_dict(), "port": args.port})
+    overrides = {k: v for k, v in (("port", args.port), ("ingress", args.ingress)) if v is not None}
+    config = ServeConfig.from_dict({**config.to_dict(), **overrides})
     ray.init(address="auto")
-    serve.start(http_options={"host": config.host, "port": config.port})
+    url = ingress.start(config)
     serve.run(build(config.to_dict()), name="rackserve", route_prefix="/")
-    url = f"http://{'127.0.0.1' if config.host == '0.0.0.0' else config.host}:{config.port}"
-    deadline = time.monotonic() + 120
-    while True:  # the replica is up; wait for its deployment's ranks to answer
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
-                print(json.dumps(json.load(r)))
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
+    print(json.dumps(ingress.wait_until_serving(url)))  # the replica is up; its deployment's ranks answer
     print(f"rackserve is serving {config.model_name!r} at {url}/v1")
 
 

@@ -89,33 +89,42 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, help="port (default 8000)")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
     sv.add_argument("--address", default=None, help="a running Ray cluster to join (default: start a local one)")
+    sv.add_argument("--ingress", choices=("direct", "proxy"),
+                    help="'direct': the replica serves HTTP itself (default when starting a local Ray); 'proxy': "
+                         "through Serve's HTTP proxy (default with --address: the config's)")
     sv.set_defaults(func=_serve)
     return parser
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
     import time
 
     import ray
     from ray import serve
 
+    from rackserve.serve import ingress
     from rackserve.serve.app import build
     from rackserve.serve.config import ServeConfig
 
     config = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
+    # a cluster started here can serve directly (its environment is ours); a running one as it was started
+    kind = args.ingress or ("direct" if args.address is None else None)
     overrides = {k: v for k, v in (("model", args.model), ("host", args.host), ("port", args.port),
-                                   ("api_key", args.api_key)) if v is not None}
+                                   ("api_key", args.api_key), ("ingress", kind)) if v is not None}
     config = ServeConfig.from_dict({**config.to_dict(), **overrides})
+    if args.address is None and config.ingress == "direct":
+        os.environ.update(ingress.direct_ingress_env(config.port))
     ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": config.host, "port": config.port})
+    url = ingress.start(config)
     print(f"starting the {config.prefill} prefill + {config.decode} decode deployment of {config.model_name!r} ...",
           flush=True)
     serve.run(build(config.to_dict()), name="rackserve", route_prefix="/")
-    url = f"http://{config.host}:{config.port}"
+    ingress.wait_until_serving(url)
     auth = f' -H "Authorization: Bearer {config.api_key}"' if config.api_key else ""
     example = json.dumps({"model": config.model_name, "prompt": "The rack hums", "max_tokens": 16, "temperature": 0})
-    print(f"\nrackserve is serving {config.model_name!r} at {url}/v1 (OpenAI-compatible); try:\n\n"
-          f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{example}'\n\n"
+    print(f"\nrackserve is serving {config.model_name!r} at {url}/v1 (OpenAI-compatible, {config.ingress} "
+          f"ingress); try:\n\n  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{example}'\n\n"
           "Ctrl-C stops it.", flush=True)
     try:
         while True:

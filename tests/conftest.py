@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Sequence
@@ -82,8 +83,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive TCP ports on 127.0.0.1 that nothing listens on right now."""
+    while True:
+        first = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first + 1, first + n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+
+
 # The one Ray cluster of the test session: 2 racks x 2 trays, each tray a node with 2 logical GPUs
-# (Ray accepts GPUs without devices) and its rack/tray labels; the head node is rack0/tray0.
+# (Ray accepts GPUs without devices) and its rack/tray labels; the head node is rack0/tray0. It is
+# started for direct ingress: an endpoint replica also serves HTTP itself on `cluster.direct_port`.
 RACKS, TRAYS, GPUS_PER_TRAY = 2, 2, 2
 
 
@@ -92,12 +107,22 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    from rackserve.serve.ingress import direct_ingress_env
+
     node = {"num_cpus": 1, "num_gpus": GPUS_PER_TRAY, "object_store_memory": 80 << 20}
     labels = [{"rackserve.io/rack": f"rack{r}", "rackserve.io/tray": f"tray{t}"}
               for r in range(RACKS) for t in range(TRAYS)]
-    cluster = Cluster(initialize_head=True, head_node_args={**node, "labels": labels[0]})
-    for lab in labels[1:]:
-        cluster.add_node(**node, labels=lab)
+    direct_port, saved = free_ports(2), dict(os.environ)
+    # the nodes' processes inherit it, this one need not; two apps (test_serve runs a second one)
+    os.environ.update(direct_ingress_env(direct_port, apps=2))
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={**node, "labels": labels[0]})
+        for lab in labels[1:]:
+            cluster.add_node(**node, labels=lab)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    cluster.direct_port = direct_port
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster

@@ -9,9 +9,10 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from rackserve.config import EngineConfig, ModelConfig
+from rackserve.config import ConfigError, EngineConfig, ModelConfig
 from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
 from rackserve.serve.config import BUILDER, ServeConfig
+from rackserve.serve.ingress import check_direct_ingress, direct_ingress_env
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -50,3 +51,18 @@ def test_the_kuberay_service_carries_a_valid_app():
     [app] = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
     assert app["import_path"] == BUILDER
     assert ServeConfig.from_dict(app["args"]).model == "tiny"
+
+
+def test_direct_ingress_is_checked_against_the_cluster(monkeypatch):
+    with pytest.raises(ConfigError, match="ingress='fast'"):
+        ServeConfig(ingress="fast")
+    for key in direct_ingress_env(8000):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ConfigError, match="RAY_SERVE_ENABLE_DIRECT_INGRESS=1.*or set ingress: proxy"):
+        check_direct_ingress(8000)  # a replica on a cluster not started for it fails, naming the fix
+    for key, value in direct_ingress_env(8000, apps=2).items():
+        monkeypatch.setenv(key, value)
+    check_direct_ingress(8000)
+    with pytest.raises(ConfigError, match="on port 9000"):
+        check_direct_ingress(9000)  # started for another port
+    assert direct_ingress_env(8000, apps=2)["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8002"

@@ -1,5 +1,6 @@
 """`ray job submit --working-dir . -- python deploy/job.py --config deploy/tiny-cpu.yaml` against a
-local Ray head of its own starts the endpoint, which then serves completions."""
+local Ray head of its own (started for direct ingress) starts the endpoint, which then serves
+completions from the replica's own HTTP server."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import free_port
+
+from rackserve.serve.ingress import direct_ingress_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,13 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def ray_head():
     """A head node in its own process group (so stopping it leaves the session's cluster alone),
-    every port its own, and this interpreter's tools first on PATH (the job runs `python`)."""
+    every port its own, this interpreter's tools first on PATH (the job runs `python`), started for
+    direct ingress on a port of its own, as an operator would start one."""
     ports = {name: free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
                                             "dashboard-agent-grpc-port", "metrics-export-port",
                                             "runtime-env-agent-port", "node-manager-port", "object-manager-port",
                                             "ray-client-server-port")}
+    serve_port = free_port()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+           "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "", **direct_ingress_env(serve_port)}
     args = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--num-cpus", "4",
             "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats",
             "--temp-dir", f"/tmp/rackserve-job-{os.getpid()}", *[f"--{k}={v}" for k, v in ports.items()]]
@@ -41,7 +45,7 @@ def ray_head():
                 break
         except httpx.HTTPError:
             time.sleep(1)
-    yield dashboard, env
+    yield dashboard, env, serve_port
     os.killpg(head.pid, signal.SIGTERM)
     try:
         head.wait(timeout=60)
@@ -51,10 +55,10 @@ def ray_head():
 
 @pytest.mark.slow
 def test_ray_job_submit_starts_the_endpoint(ray_head):
-    dashboard, env = ray_head
-    port = free_port()
+    dashboard, env, port = ray_head
     submit = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", dashboard, "--working-dir", ".",
-              "--", "python", "deploy/job.py", "--config", "deploy/tiny-cpu.yaml", "--port", str(port)]
+              "--", "python", "deploy/job.py", "--config", "deploy/tiny-cpu.yaml", "--port", str(port),
+              "--ingress", "direct"]
     for _ in range(10):  # "No available agent" until the head's job agent has registered
         done = subprocess.run(submit, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
         if "No available agent" not in done.stdout + done.stderr:

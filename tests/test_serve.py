@@ -2,7 +2,7 @@
 decode deployment of the tiny model with a KV store): the official client, streaming and not, gives
 the Python API's greedy text; 100 concurrent streams all complete; bad requests get OpenAI-shaped
 4xx while others are served; the API key is enforced; a client that leaves mid-stream frees its
-state."""
+state; the replica also serves directly (direct ingress), with the same answers."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from ray import serve
 
 from rackserve.engine import LLM, SamplingParams
 from rackserve.model.tokenizer import Tokenizer
+from rackserve.serve import ingress
 from rackserve.serve.app import build
 
 KEY = "test-key"
@@ -33,6 +34,7 @@ def server(ray_cluster, tiny_checkpoint):
                 "kv_stores": 1, "api_key": KEY, "max_inflight": 128, "store_memory_mb": 16,
                 "engine": {"max_num_seqs": 32, "max_num_batched_tokens": 256, "state_memory_mb": 32, "kv_pool_mb": 8}}
     serve.run(build(settings), name="rackserve-test", route_prefix="/")
+    ingress.wait_until_serving(f"http://127.0.0.1:{port}")
     yield f"http://127.0.0.1:{port}"
     serve.delete("rackserve-test")
     serve.shutdown()
@@ -71,6 +73,20 @@ def test_the_openai_client_gets_the_python_apis_text(client, tiny_checkpoint):
                                             extra_body=extra)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == want
     assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+@pytest.mark.slow
+def test_the_replica_serves_directly_too(server, ray_cluster, tiny_checkpoint):
+    """The session's cluster is started for direct ingress: the same replica answers on its own port,
+    with the same text and the same API key check, without Serve's proxy in the way."""
+    direct = f"http://127.0.0.1:{ray_cluster.direct_port}"
+    assert ingress.wait_until_serving(direct)["healthy"]
+    want = python_api_text(tiny_checkpoint, PROMPT, 6)
+    client = openai.OpenAI(base_url=f"{direct}/v1", api_key=KEY, max_retries=0)
+    chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert httpx.get(f"{direct}/v1/models", timeout=30).status_code == 401
 
 
 @pytest.mark.slow

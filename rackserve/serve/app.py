@@ -26,6 +26,7 @@ from rackserve.actors.instance import InstanceError
 from rackserve.serve import protocol as api
 from rackserve.serve.config import ServeConfig
 from rackserve.serve.controller import Controller
+from rackserve.serve.ingress import check_direct_ingress
 from rackserve.serve.metrics import Metrics
 
 logger = logging.getLogger("ray.serve")
@@ -106,6 +107,8 @@ def _error(e: api.APIError) -> JSONResponse:
 class OpenAIServer:
     def __init__(self, settings: dict):
         self.config = ServeConfig.from_dict(settings)
+        if self.config.ingress == "direct":
+            check_direct_ingress(self.config.port)
         self.controller = Controller(self.config)
         self.deployment = self.controller.deployment
         self.metrics = Metrics()

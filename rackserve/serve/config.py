@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from rackserve.config import ConfigError
+from rackserve.serve.ingress import INGRESS_KINDS
 
 BUILDER = "rackserve.serve.app:build"
 
@@ -22,6 +23,9 @@ class ServeConfig:
     instance (EPLB replicas); topology: place the instances with the rack
     planner on this topology ("ray": read from the cluster's node labels, else a topology file);
     bundle_resources: what one rank's placement-group bundle reserves (default {"GPU": 1});
+    host, port: where the endpoint listens; ingress: "proxy" (Serve's HTTP proxy, any cluster) or
+    "direct" (the replica serves HTTP itself, skipping a hop each way; the cluster must be started
+    for it, see `rackserve.serve.ingress`);
     api_key: when set, requests need `Authorization: Bearer <api_key>`; max_inflight: requests in
     progress before new ones get 429 (backpressure, not an unbounded queue); timeout (s): a gang
     member silent this long fails its instance."""
@@ -40,6 +44,7 @@ class ServeConfig:
     store_memory_mb: float = 256.0
     host: str = "127.0.0.1"
     port: int = 8000
+    ingress: str = "proxy"
     api_key: str | None = None
     max_inflight: int = 256
     timeout: float = 30.0
@@ -52,6 +57,8 @@ class ServeConfig:
             raise ConfigError(f"max_inflight={self.max_inflight!r} must be an integer ≥ 1")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ConfigError(f"port={self.port!r} must be an integer in [0, 65535]")
+        if self.ingress not in INGRESS_KINDS:
+            raise ConfigError(f"ingress={self.ingress!r} must be one of {INGRESS_KINDS}")
 
     @property
     def model_name(self) -> str:
