@@ -49,6 +49,28 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sim(args: argparse.Namespace) -> int:
+    from rackserve.bench.sim.published import validate
+    from rackserve.bench.sim.scenario import Scenario, report, simulate
+    from rackserve.bench.sim.simulator import Workload
+    from rackserve.placement import InstanceGroup
+
+    if args.action == "validate":
+        validate(args.preset)
+        return 0
+    role = "prefill" if args.prefill else "decode"
+    group = InstanceGroup.parse(args.prefill or args.decode, role)
+    batch = args.batch or (2 if role == "prefill" else 128)
+    workload = Workload(role, args.isl, args.osl, args.range_ratio, args.prefix, batch * group.size, args.router,
+                        args.seed)
+    scenario = Scenario(workload, group.size, args.preset, args.precision, host_path=args.host_path,
+                        overlap_moe=args.overlap_moe, overlap_fetch=args.overlap_fetch,
+                        redundant_slots=args.redundant_slots, eplb_interval=args.eplb_interval, zipf=args.zipf,
+                        steps=args.steps)
+    report(scenario, simulate(scenario))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rackserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +115,32 @@ def build_parser() -> argparse.ArgumentParser:
                     help="'direct': the replica serves HTTP itself (default when starting a local Ray); 'proxy': "
                          "through Serve's HTTP proxy (default with --address: the config's)")
     sv.set_defaults(func=_serve)
+    si = sub.add_parser("sim", help="simulate DEP instances on GB300 NVL72 / H200 racks (real scheduler and EPLB, "
+                                    "roofline costs)")
+    si.add_argument("action", choices=("validate", "run"),
+                    help="validate: published DeepSeek-V4.1-Flash figures vs predictions; run: one configuration")
+    si.add_argument("--preset", default="gb300", choices=("gb300", "h200"), help="hardware preset (default gb300)")
+    role = si.add_mutually_exclusive_group()
+    role.add_argument("--prefill", help="run: a prefill instance, e.g. DEP2")
+    role.add_argument("--decode", help="run: a decode instance, e.g. DEP16")
+    si.add_argument("--batch", type=int, help="requests in flight per rank (default: prefill 2, decode 128)")
+    si.add_argument("--isl", type=int, default=8192, help="input tokens (the longest; see --range-ratio)")
+    si.add_argument("--osl", type=int, default=1024, help="output tokens (decode)")
+    si.add_argument("--range-ratio", type=float, default=1.0, help="ISL uniform in [ratio, 1] x isl (default 1)")
+    si.add_argument("--prefix", type=int, default=0, help="prefill: cached prefix tokens loaded from the KV store")
+    si.add_argument("--precision", default="fp4-fp8", choices=("fp4-fp8", "bf16"), help="checkpoint numerics")
+    si.add_argument("--host-path", default="rackserve", choices=("rackserve", "unoptimised"),
+                    help="host sync: one recursive-doubling all-reduce per step, or two Gloo-style ring ones")
+    si.add_argument("--overlap-moe", action="store_true", help="overlap dispatch/combine with expert compute")
+    si.add_argument("--overlap-fetch", action="store_true", help="overlap KV-store prefix loads with compute")
+    si.add_argument("--router", default="round_robin", choices=("round_robin", "least_loaded"),
+                    help="how requests are spread over the DP ranks")
+    si.add_argument("--redundant-slots", type=int, default=32, help="extra expert slots for EPLB (default 32)")
+    si.add_argument("--eplb-interval", type=int, default=3000, help="steps between re-placements (0: off)")
+    si.add_argument("--zipf", type=float, default=1.0, help="expert-popularity skew (Zipf exponent)")
+    si.add_argument("--steps", type=int, default=40, help="steps to simulate")
+    si.add_argument("--seed", type=int, default=0)
+    si.set_defaults(func=_sim)
     return parser
 
 

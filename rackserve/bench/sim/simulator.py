@@ -1,0 +1,305 @@
+"""The step loop of one DEP instance, with the real scheduler and state cache and a cost model
+in place of the GPUs.
+
+Each DP rank has a real `Scheduler` over a real `StateCache` on the meta device (shapes and byte
+accounting of the full model, no memory), and plans its forward passes with the real
+`Runner.plan`. A step is what `rackserve.engine.engine.Engine.step` does, with time from
+`CostModel`:
+
+1. each rank admits at most `max_new_kv_loads_per_step` arrived requests (pushed decode state,
+   or a prefix fetched from the KV store) and schedules;
+2. the gang runs max(passes) forward passes (dummy ones where a rank has fewer); each pass routes
+   its tokens over the experts (`ExpertLoad`) placed by the real EPLB (`ExpertPlacement`);
+3. the cache advances and commits as the runner's would, sampled tokens come back (synthetic),
+   `Scheduler.update` finishes requests, and new ones arrive (closed loop).
+
+Request lengths are drawn per request (ragged), and requests go to ranks round-robin or to the
+least-loaded rank, so per-rank token counts differ per step: the imbalance is the scheduler's, not
+a factor.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rackserve.bench.sim.cost import Chunk, CostModel, StepCost
+from rackserve.bench.sim.experts import ExpertLoad, ExpertPlacement
+from rackserve.config import EngineConfig
+from rackserve.engine.request import Request
+from rackserve.engine.runner import Runner
+from rackserve.engine.sampling import SamplingParams
+from rackserve.engine.scheduler import RunnerOutput, Scheduler
+from rackserve.engine.state_cache import StateCache
+
+SAMPLED = 2  # the token every simulated sample returns (not an EOS of the default config)
+STATE_DTYPES = {1.0: torch.float8_e4m3fn, 2.0: torch.bfloat16}  # Precision.state_bytes -> dtype
+
+
+class SyntheticTokens:
+    """A request's tokens without a Python int per token: a prompt made of (seed, length) segments
+    (two prompts share a prefix exactly when they share its segments) plus appended outputs.
+    Supports what the scheduler, runner and state cache use: len, append, slicing (-> list)."""
+
+    def __init__(self, segments: tuple[tuple[int, int], ...]):
+        self.segments = segments
+        self.prompt_len = sum(n for _, n in segments)
+        self.appended: list[int] = []
+
+    def __len__(self) -> int:
+        return self.prompt_len + len(self.appended)
+
+    def append(self, token: int) -> None:
+        self.appended.append(token)
+
+    def __iter__(self):
+        return iter(self[:])
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice):
+            return self[index:index + 1 or None][0]
+        start, stop, _ = index.indices(len(self))
+        tokens, offset = [], 0
+        for seed, n in self.segments:
+            lo, hi = max(start, offset), min(stop, offset + n)
+            if lo < hi:  # token i of a segment: a hash of (seed, i), spread over a 100k vocabulary
+                tokens += ((np.arange(lo - offset, hi - offset) * 7919 + seed * 104729) % 100003).tolist()
+            offset += n
+        if stop > self.prompt_len:
+            tokens += self.appended[max(start - self.prompt_len, 0):stop - self.prompt_len]
+        return tokens
+
+
+@dataclass
+class SimRequest(Request):
+    """A real `Request` whose tokens are `SyntheticTokens` (a 100K-token prompt costs no memory)."""
+
+    segments: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        self.token_ids = SyntheticTokens(self.segments)
+
+    @property
+    def num_prompt(self) -> int:
+        return self.token_ids.prompt_len
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the instance serves, in a closed loop of `concurrency` requests in flight.
+
+    mode "prefill": requests of `prefix` cached tokens (fetched from the KV store) + new tokens
+      drawn uniformly from [range_ratio x isl, isl], each finishing at its first token.
+    mode "decode": requests arrive with their state pushed (context drawn like isl), decode `osl`
+      tokens; the first ones start at a uniform point of their output, as in a running system.
+    router: "round_robin" or "least_loaded" (fewest tokens queued + running) DP rank per request.
+    """
+
+    mode: str
+    isl: int
+    osl: int = 1
+    range_ratio: float = 1.0
+    prefix: int = 0
+    concurrency: int = 8
+    router: str = "round_robin"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("prefill", "decode"):
+            raise ValueError(f"mode={self.mode!r}: use 'prefill' or 'decode'")
+        if self.router not in ("round_robin", "least_loaded"):
+            raise ValueError(f"router={self.router!r}: use 'round_robin' or 'least_loaded'")
+        if not 0 < self.range_ratio <= 1:
+            raise ValueError(f"range_ratio={self.range_ratio}: must be in (0, 1] (1 = every request isl tokens)")
+
+
+@dataclass
+class SimResult:
+    """Totals of a run (after warm-up) and its per-step costs."""
+
+    world: int
+    steps: list[StepCost] = field(default_factory=list)
+    time_s: float = 0.0
+    computed_tokens: int = 0  # prompt tokens run through the model
+    cached_tokens: int = 0  # prompt tokens taken from a cached prefix
+    output_tokens: int = 0
+    finished: int = 0
+    preemptions: int = 0
+    balancedness: list[float] = field(default_factory=list)
+
+    def mean(self, name: str) -> float:
+        """Mean over steps of a StepCost field or property, seconds."""
+        return float(np.mean([getattr(s, name) for s in self.steps])) if self.steps else 0.0
+
+    @property
+    def input_tokens_per_gpu_s(self) -> float:
+        """Prompt tokens (cached included) per second per GPU."""
+        return (self.computed_tokens + self.cached_tokens) / self.time_s / self.world
+
+    @property
+    def output_tokens_per_gpu_s(self) -> float:
+        return self.output_tokens / self.time_s / self.world
+
+    @property
+    def out_of_sync(self) -> float:
+        """Fraction of GPU time ranks spent waiting for a slower rank (1 - mean busy / gang time)."""
+        gpu = sum(s.gpu_s for s in self.steps)
+        return 1 - sum(float(np.mean(s.rank_busy_s)) for s in self.steps) / gpu if gpu else 0.0
+
+
+class _Planner:
+    """What `Runner.plan` needs of a model: only the device of its lm_head."""
+
+    class _Head:
+        weight = torch.empty(0, device="meta")
+
+    lm_head = _Head()
+
+
+@dataclass
+class _Rank:
+    scheduler: Scheduler
+    runner: Runner
+    arrivals: deque = field(default_factory=deque)  # pushed state or fetched prefix, not yet admitted
+
+
+class Simulator:
+    """One DEP instance of `cost.world` ranks, each with the real scheduler and state cache.
+
+    engine: the EngineConfig of every rank (resolved against the model). state_bytes: each rank's
+    state-cache budget. eplb: the instance's expert layout (its interval is EPLB's; a run starts from
+    a layout EPLB planned on one interval of load when the interval is set).
+    """
+
+    def __init__(self, cost: CostModel, engine: EngineConfig, state_bytes: int, load: ExpertLoad,
+                 eplb: ExpertPlacement):
+        self.cost, self.load, self.eplb = cost, load, eplb
+        model = cost.shape.config
+        self.engine = engine.resolve(model)
+        dtype = STATE_DTYPES[cost.p.state_bytes]
+        self.ranks = []
+        for _ in range(cost.world):
+            cache = StateCache(model, self.engine.block_size, self.engine.max_num_seqs, state_bytes,
+                               self.engine.prefix_caching, self.engine.prefix_snapshots, dtype, device="meta")
+            self.ranks.append(_Rank(Scheduler(self.engine, cache), Runner(_Planner(), cache)))
+        self._slot_bytes, self._page_bytes = cache.state.slot_bytes, cache.state.page_bytes
+        self._ids = itertools.count()
+        self._next_rank = itertools.cycle(range(cost.world))
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def _new_request(self, w: Workload, rng: np.random.Generator, progress: int = 0) -> SimRequest:
+        rid = next(self._ids)
+        n = int(rng.integers(max(1, round(w.range_ratio * w.isl)), w.isl + 1)) + progress  # decode: context so far
+        segments = ((-1 - rid, w.prefix), (rid, n)) if w.prefix else ((rid, n),)
+        max_tokens = 1 if w.mode == "prefill" else max(1, w.osl - progress)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return SimRequest(str(rid), [], params, seed=0, arrival=rid, segments=segments)
+
+    def _route(self, req: SimRequest, w: Workload) -> None:
+        if w.router == "round_robin":
+            rank = self.ranks[next(self._next_rank)]
+        else:
+            rank = min(self.ranks, key=_queued_tokens)
+        if w.mode == "decode" or w.prefix:
+            rank.arrivals.append(req)
+        else:
+            rank.scheduler.add(req)
+
+    def _admit(self, rank: _Rank, w: Workload, limit: int) -> int:
+        """Admit at most `limit` arrived requests as `Engine._load_pushed` does; bytes of state loaded
+        from host memory."""
+        loaded = 0
+        state = rank.scheduler.cache.state
+        for _ in range(min(len(rank.arrivals), limit)):
+            sched, req = rank.scheduler, rank.arrivals[0]
+            if len(sched.running) >= self.engine.max_num_seqs:
+                break
+            num_tokens = w.prefix if w.mode == "prefill" else req.num_prompt
+            handle = sched.cache.allocate()
+            if handle is None:
+                break
+            if not sched.cache.reserve(handle, num_tokens + 1):
+                sched.cache.free(handle)
+                break
+            rank.arrivals.popleft()
+            handle.num_tokens = num_tokens
+            if w.mode == "prefill":  # a prefix read from the KV store (host memory); pushed decode
+                loaded += self._slot_bytes + state.pages_for(num_tokens) * self._page_bytes  # state lands by NIXL
+            req.num_cached = num_tokens if w.mode == "prefill" else 0
+            sched.admit_loaded(req, handle, SAMPLED if w.mode == "decode" else None)
+        return loaded
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def run(self, w: Workload, steps: int, warmup: int = 0) -> SimResult:
+        """Run `warmup + steps` gang steps of workload `w`; totals count the last `steps`."""
+        rng = np.random.default_rng(w.seed)
+        for _ in range(w.concurrency):
+            progress = int(rng.integers(0, w.osl)) if w.mode == "decode" else 0
+            self._route(self._new_request(w, rng, progress), w)
+        if w.mode == "decode":  # the first batch is already running: a system in steady state
+            for rank in self.ranks:
+                self._admit(rank, w, len(rank.arrivals))
+        result = SimResult(self.cost.world)
+        for step in range(warmup + steps):
+            fetched = [self._admit(rank, w, self.engine.max_new_kv_loads_per_step) for rank in self.ranks]
+            outs = [rank.scheduler.schedule() for rank in self.ranks]
+            plans = [rank.runner.plan(out) for rank, out in zip(self.ranks, outs)]
+            num_passes = max(map(len, plans))
+            if num_passes == 0:
+                break
+            per_rank = [_chunks(plan) for plan in plans]
+            passes = [[chunks[i] if i < len(chunks) else [] for chunks in per_rank] for i in range(num_passes)]
+            pairs, touched = [], []
+            for ranks in passes:
+                load = self.load.draw(sum(max(1, sum(ch.num_tokens for ch in chunks)) for chunks in ranks))
+                pair, touch = self.eplb.rank_loads(load)
+                pairs.append(pair)
+                touched.append(touch)
+                self.eplb.after_step(load)
+            running = [len(rank.scheduler.running) for rank in self.ranks]
+            cost = self.cost.step(passes, running, pairs, touched, fetched)
+            finished = 0
+            for rank, out, plan in zip(self.ranks, outs, plans):
+                for part in plan:
+                    for chunk, ids in part:
+                        chunk.request.handle.num_tokens += len(ids)
+                        rank.scheduler.cache.commit(chunk.request.handle, chunk.request.token_ids)
+                n = sum(c.samples for c in out.chunks)
+                done = [o for o in rank.scheduler.update(out, RunnerOutput([SAMPLED] * n, [None] * n)) if o.finished]
+                finished += len(done)
+                if step >= warmup:
+                    result.computed_tokens += out.num_tokens if w.mode == "prefill" else 0
+                    result.output_tokens += n
+                    result.cached_tokens += sum(o.num_cached_tokens for o in done)
+            if step >= warmup:
+                result.steps.append(cost)
+                result.time_s += cost.total_s
+                result.finished += finished
+            for _ in range(finished):
+                self._route(self._new_request(w, rng), w)
+        result.preemptions = sum(r.scheduler.num_preemptions for r in self.ranks)
+        return result
+
+
+def _chunks(plan) -> list[list[Chunk]]:
+    """A rank's passes (`Runner.plan`) as cost-model chunks: a chunk split over two passes starts
+    its second piece where the first ended, and only its last piece samples."""
+    done: dict[int, int] = {}
+    passes = []
+    for part in plan:
+        chunks = []
+        for c, ids in part:
+            start = c.start + done.get(id(c), 0)
+            done[id(c)] = done.get(id(c), 0) + len(ids)
+            chunks.append(Chunk(start, len(ids), c.samples and done[id(c)] >= c.num_tokens))
+        passes.append(chunks)
+    return passes
+
+
+def _queued_tokens(rank: _Rank) -> int:
+    reqs = itertools.chain(rank.scheduler.waiting, rank.scheduler.running, rank.arrivals)
+    return sum(len(r.token_ids) - r.num_computed - r.num_cached for r in reqs)
