@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="'direct': the replica serves HTTP itself (default when starting a local Ray); 'proxy': "
                          "through Serve's HTTP proxy (default with --address: the config's)")
     sv.set_defaults(func=_serve)
+    _add_bench(sub)
     si = sub.add_parser("sim", help="simulate DEP instances on GB300 NVL72 / H200 racks (real scheduler and EPLB, "
                                     "roofline costs)")
     si.add_argument("action", choices=("validate", "run"),
@@ -180,6 +181,12 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         serve.shutdown()
     return 0
+
+
+def _add_bench(sub) -> None:
+    from rackserve.bench.cli import add_parser  # light: the benchmark's own imports wait until it runs
+
+    add_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

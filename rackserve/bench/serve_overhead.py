@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import httpx
@@ -45,6 +44,7 @@ from ray import serve
 
 from rackserve.actors.deployment import Deployment
 from rackserve.bench.instance import workload
+from rackserve.bench.metrics import percentile
 from rackserve.engine import SamplingParams
 from rackserve.serve import ingress
 from rackserve.serve.app import build
@@ -139,11 +139,6 @@ def time_paths(prompts: list[list[int]], osl: int, ports: dict[str, int]) -> dic
     return results
 
 
-def _p(values: list[float], q: int) -> float:
-    """The q-th percentile (inclusive method: p50 is the median)."""
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=20, help="timed requests per side, one at a time")
@@ -185,10 +180,10 @@ def main(argv: list[str] | None = None) -> dict:
     summary: dict = {"bench": "serve_overhead", "requests": args.requests, "isl": args.isl, "osl": args.osl}
     for metric, label in (("ttft", "TTFT"), ("itl", "ITL")):
         for q in (50, 90):
-            py = _p(python[metric], q)
+            py = percentile(python[metric], q)
             row = f"{f'{label} p{q}':<28} {py:>10.2f}"
             for name in ports:
-                web = _p(http[name][metric], q)
+                web = percentile(http[name][metric], q)
                 row += f" {web:>8.2f} {web - py:>9.2f}"
                 if q == 50:
                     summary.update({f"{metric}_{name}_p50_ms": round(web, 2),
@@ -198,9 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
                 summary[f"{metric}_python_p50_ms"] = round(py, 2)
     for q in (50, 90):
         print(f"{f'round trip /v1/models p{q}':<28} {'':>10}"
-              + "".join(f" {_p(http[name]['round_trip'], q):>8.2f} {'':>9}" for name in ports))
+              + "".join(f" {percentile(http[name]['round_trip'], q):>8.2f} {'':>9}" for name in ports))
     for name in ports:
-        summary[f"models_round_trip_{name}_p50_ms"] = round(_p(http[name]["round_trip"], 50), 2)
+        summary[f"models_round_trip_{name}_p50_ms"] = round(percentile(http[name]["round_trip"], 50), 2)
     best = min(ports, key=lambda name: summary[f"ttft_overhead_{name}_p50_ms"])
     summary["ttft_overhead_under_10ms"] = summary[f"ttft_overhead_{best}_p50_ms"] < TARGET_MS
     print(f"\nTTFT overhead (p50) under {TARGET_MS:.0f} ms: {'yes' if summary['ttft_overhead_under_10ms'] else 'no'} "
