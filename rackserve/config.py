@@ -96,6 +96,7 @@ class ModelConfig:
     index_head_dim: int = 128
     index_topk: int = 512
     num_nextn_predict_layers: int = 1
+    mtp_layer_types: tuple[str, ...] = ()
     rms_norm_eps: float = 1.0e-6
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
@@ -139,6 +140,17 @@ class ModelConfig:
             bad = sorted({t for t in types if t not in allowed})
             if bad:
                 raise ConfigError(f"{name} entries {bad} are not supported; use values from {allowed}")
+        if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers < 0:
+            raise ConfigError(f"num_nextn_predict_layers={self.num_nextn_predict_layers!r} must be an integer ≥ 0")
+        extra = self.num_nextn_predict_layers - len(self.mtp_layer_types)
+        if extra < 0:
+            raise ConfigError(f"mtp_layer_types has {len(self.mtp_layer_types)} entries but num_nextn_predict_layers="
+                              f"{self.num_nextn_predict_layers}; give at most one per MTP layer")
+        # MTP layers whose type a checkpoint does not list are sliding-window, as in V4's own checkpoints
+        object.__setattr__(self, "mtp_layer_types", tuple(self.mtp_layer_types) + (SLIDING,) * extra)
+        bad = sorted({t for t in self.mtp_layer_types if t not in LAYER_TYPES})
+        if bad:
+            raise ConfigError(f"MTP layer types {bad} are not supported; use values from {LAYER_TYPES}")
         for name, rope in (("main", self.main_rope), ("compress", self.compress_rope)):
             if rope.dim <= 0 or rope.dim % 2 or rope.dim > self.head_dim:
                 raise ConfigError(
@@ -191,12 +203,12 @@ class ModelConfig:
 
         d = asdict(self)
         for key in ("main_rope", "compress_rope", "csa_compress_rate", "hca_compress_rate", "eos_token_ids",
-                    "qk_rope_head_dim"):
+                    "qk_rope_head_dim", "mtp_layer_types"):
             d.pop(key)
         d.update(
             architectures=["DeepseekV4ForCausalLM"],
             model_type="deepseek_v4",
-            layer_types=list(self.layer_types),
+            layer_types=list(self.layer_types + self.mtp_layer_types),
             mlp_layer_types=list(self.mlp_layer_types),
             compress_rates={CSA: self.csa_compress_rate, HCA: self.hca_compress_rate},
             eos_token_id=list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
@@ -264,8 +276,10 @@ class ModelConfig:
         if layer_types is None:
             # V4 default schedule: two HCA layers, then HCA / CSA interleaved.
             layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-        # Checkpoints list the MTP layers' schedule after the main layers; keep the first n.
+        # Checkpoints list the MTP layers' schedule after the main layers.
         kw["layer_types"] = tuple(layer_types[:n])
+        kw["mtp_layer_types"] = tuple(layer_types[n:n + kw.get("num_nextn_predict_layers",
+                                                             defaults["num_nextn_predict_layers"])])
 
         mlp_types = raw.get("mlp_layer_types")
         if mlp_types is None:
@@ -292,7 +306,7 @@ class ModelConfig:
 
 # Fields computed by `from_dict` rather than copied from config.json.
 _DERIVED_FIELDS = {
-    "layer_types", "mlp_layer_types", "qk_rope_head_dim", "main_rope", "compress_rope",
+    "layer_types", "mlp_layer_types", "mtp_layer_types", "qk_rope_head_dim", "main_rope", "compress_rope",
     "csa_compress_rate", "hca_compress_rate", "eos_token_ids", "dtype",
 }
 
@@ -333,6 +347,25 @@ def _parse_rope(raw: dict[str, Any], rope_dim: int, head_dim: int) -> tuple[Rope
     return RopeConfig(theta=main_theta, dim=rope_dim), build(compress, compress_theta)
 
 
+MAX_SPECULATIVE_TOKENS = 3
+
+
+def _check_speculation(model: ModelConfig, k: int) -> None:
+    """Whether `model` can draft `k` tokens with its MTP layer; raise saying what to change if not."""
+    if not model.num_nextn_predict_layers:
+        raise ConfigError(f"speculative_tokens={k} needs MTP layers, but this checkpoint has "
+                          "num_nextn_predict_layers=0 (or no mtp.* weights); set speculative_tokens=0")
+    if model.mtp_layer_types[0] != SLIDING:
+        raise ConfigError(f"speculative_tokens={k}: the MTP layer is {model.mtp_layer_types[0]!r}; only sliding-window "
+                          "MTP layers (as in DeepSeek-V4 checkpoints) are supported; set speculative_tokens=0")
+    # a verify step writes k+1 positions into every ring; they must land in distinct rows to roll back
+    rings = [model.sliding_window] + [2 * r if kind == CSA else r for kind in set(model.layer_types) - {SLIDING}
+                                      for r in [model.rate(kind)]]
+    if k + 1 > min(rings):
+        raise ConfigError(f"speculative_tokens={k} needs rings of at least {k + 1} rows, but this model's smallest "
+                          f"(sliding window or compressor ring) has {min(rings)}; lower speculative_tokens")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one engine (one DP rank). Model-dependent defaults are resolved by `resolve`.
@@ -354,6 +387,8 @@ class EngineConfig:
       KV agent (disaggregated prefill/decode).
     kv_timeout_s: a reservation for pushed state expires after this long; the decode rank then
       prefills the request itself.
+    speculative_tokens: tokens the model's MTP layer drafts per request and decode step, verified in
+      one forward of the main model (0: no speculation; at most 3).
     """
 
     max_num_seqs: int = 32
@@ -371,6 +406,7 @@ class EngineConfig:
     max_new_kv_loads_per_step: int = 4
     kv_pool_mb: float = 64.0
     kv_timeout_s: float = 10.0
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.eplb_interval, int) or self.eplb_interval < 0:
@@ -393,6 +429,9 @@ class EngineConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be > 0")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {_DTYPES}")
+        k = self.speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"speculative_tokens={k!r} must be an integer from 0 (off) to {MAX_SPECULATIVE_TOKENS}")
 
     def resolve(self, model: ModelConfig) -> "EngineConfig":
         """Fill the model-dependent defaults and check them against `model`."""
@@ -408,5 +447,7 @@ class EngineConfig:
                 f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                 f"{model.max_position_embeddings}"
             )
+        if self.speculative_tokens:
+            _check_speculation(model, self.speculative_tokens)
         return replace(self, block_size=block, max_model_len=max_len, dtype=self.dtype or model.dtype,
                        prefix_snapshots=self.max_num_seqs if self.prefix_snapshots is None else self.prefix_snapshots)

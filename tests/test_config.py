@@ -12,7 +12,7 @@ from rackserve.model.tiny import TINY_CONFIG
 LEGACY = {
     **{k: v for k, v in TINY_CONFIG.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates",
                                                            "partial_rotary_factor")},
-    "compress_ratios": [128, 0, 4, 128, 4, 4],  # one more entry than layers: the MTP layer's
+    "compress_ratios": [128, 0, 4, 128, 4, 0],  # one more entry than layers: the MTP layer's (sliding)
     "compress_rate_hca": 16,
     "num_hash_layers": 2,
     "qk_rope_head_dim": 8,

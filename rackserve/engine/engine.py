@@ -18,6 +18,7 @@ from rackserve.engine.request import Request, RequestOutput
 from rackserve.engine.runner import Runner
 from rackserve.engine.sampling import SamplingParams
 from rackserve.engine.scheduler import Scheduler
+from rackserve.engine.speculative import Speculator
 from rackserve.engine.state_cache import StateCache
 from rackserve.model import DeepseekV4ForCausalLM
 from rackserve.model.tokenizer import Tokenizer
@@ -43,7 +44,8 @@ class Engine:
         c = self.config
         self.cache = StateCache(model.config, c.block_size, c.max_num_seqs, int(c.state_memory_mb * 2**20),
                                 prefix_caching=c.prefix_caching, max_snapshots=c.prefix_snapshots,
-                                dtype=model.dtype, device=model.lm_head.weight.device)
+                                dtype=model.dtype, device=model.lm_head.weight.device,
+                                mtp_layers=int(c.speculative_tokens > 0))
         if self.cache.pages_for(c.max_model_len) > self.cache.num_pages:
             raise ValueError(
                 f"state_memory_mb={c.state_memory_mb} holds {self.cache.num_pages} pages of {c.block_size} tokens, "
@@ -51,7 +53,8 @@ class Engine:
                 f"{self.cache.pages_for(c.max_model_len)}; raise state_memory_mb or lower max_model_len"
             )
         self.scheduler = Scheduler(self.config, self.cache)
-        self.runner = Runner(model, self.cache)
+        self.speculator = Speculator(model, self.cache, c.speculative_tokens) if c.speculative_tokens else None
+        self.runner = Runner(model, self.cache, self.speculator)
         self.balancer = None
         if gang is not None:
             self.runner.dummy = self.cache.allocate()
@@ -212,7 +215,8 @@ class Engine:
         self.kv.progress()
 
     def stats(self) -> dict:
-        """Counters: prefix-cache hits and skipped tokens, evictions, preemptions, state memory."""
+        """Counters: prefix-cache hits and skipped tokens, evictions, preemptions, state memory, and with
+        speculative decoding the drafts' acceptance (`Speculator.stats`)."""
         return {
             **asdict(self.cache.stats),
             "preemptions": self.scheduler.num_preemptions,
@@ -221,6 +225,7 @@ class Engine:
             "state_bytes_cached": self.cache.bytes_cached,
             "state_bytes_total": self.cache.bytes_total,
             **(self.balancer.stats() if self.balancer else {}),
+            **(self.speculator.stats() if self.speculator else {}),
             **({f"kv_{k}": v for k, v in asdict(self.kv.stats).items()} if self.kv else {}),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

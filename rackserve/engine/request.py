@@ -44,6 +44,7 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
     push_to: KVReservation | None = None  # prefill only, then push the state to this decode rank
+    draft_ids: list[int] = field(default_factory=list)  # speculative decoding: tokens to verify next step
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -1,5 +1,10 @@
 """Runs a scheduled step: the ragged forward over every chunk, then batched sampling.
 
+With speculative decoding a decode chunk carries drafts: its forward runs them after the request's
+last token, sampling verifies them (`sampling.sample` with drafts), the rejected ones' state is
+given back (`rackserve.model.rollback`), and the MTP layer drafts the next ones
+(`rackserve.engine.speculative`).
+
 A chunk that crosses a block boundary without ending on one is run in two passes, split at its
 last boundary, so the request's state passes through that boundary and the prefix cache can
 snapshot it there (`StateCache.commit`). A final prompt chunk splits at the last boundary before
@@ -14,17 +19,18 @@ import torch
 from rackserve.engine.request import TokenLogprobs
 from rackserve.engine.sampling import SamplingBatch, sample
 from rackserve.engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
+from rackserve.engine.speculative import Speculator
 from rackserve.engine.state_cache import CacheHandle, StateCache
 from rackserve.model import DeepseekV4ForCausalLM, ForwardBatch
+from rackserve.model.rollback import Rollback
 from rackserve.timing import phase
-
 
 Pass = list[tuple[ScheduledChunk, list[int]]]
 
 
 class Runner:
-    def __init__(self, model: DeepseekV4ForCausalLM, cache: StateCache):
-        self.model, self.cache = model, cache
+    def __init__(self, model: DeepseekV4ForCausalLM, cache: StateCache, speculator: Speculator | None = None):
+        self.model, self.cache, self.speculator = model, cache, speculator
         self.device = model.lm_head.weight.device
         self.dummy: CacheHandle | None = None  # a scratch request for dummy forwards (DP ranks)
 
@@ -32,7 +38,7 @@ class Runner:
         """The forward passes of a step: each chunk's tokens, split at a block boundary if needed."""
         passes: tuple[Pass, Pass] = ([], [])
         for chunk in out.chunks:
-            ids = chunk.request.token_ids[chunk.start:chunk.start + chunk.num_tokens]
+            ids = chunk.request.token_ids[chunk.start:chunk.start + chunk.num_tokens] + chunk.draft_ids
             end = chunk.start + chunk.num_tokens
             # the last boundary before the chunk's end; for a final chunk, strictly before its last
             # token, which is where a later request with the same tokens will resume
@@ -48,21 +54,66 @@ class Runner:
     def execute(self, out: SchedulerOutput, passes: list[Pass] | None = None, num_passes: int = 0) -> RunnerOutput:
         """Run the step's passes (`plan(out)` unless given), then dummy forwards up to `num_passes`
         (ranks of one instance must all run the same number of forwards, since every MoE layer
-        exchanges tokens)."""
+        exchanges tokens). Each pass samples (and verifies drafts) for the chunks it finishes, so
+        their state is final before the prefix cache may snapshot it."""
         passes = self.plan(out) if passes is None else passes
-        last_logits: dict[int, torch.Tensor] = {}
+        sampled: dict[int, list[tuple[int, TokenLogprobs | None]]] = {}
         for part in passes:
-            batch = ForwardBatch.build(self.cache.state, [(c.request.handle, ids) for c, ids in part])
-            logits = self.model(batch, self.cache.state)
-            for row, (chunk, ids) in enumerate(part):
-                handle = chunk.request.handle
-                handle.num_tokens += len(ids)
-                self.cache.commit(handle, chunk.request.token_ids)
-                last_logits[id(chunk)] = logits[row]
+            self._run(part, sampled)
         for _ in range(len(passes), num_passes):
             self.dummy_forward()
+        chunks = [c for c in out.chunks if c.samples]
+        result = RunnerOutput([sampled[id(c)][-1][0] for c in chunks], [sampled[id(c)][-1][1] for c in chunks])
+        if self.speculator is not None and chunks:
+            result.accepted = [sampled[id(c)][:-1] for c in chunks]
+            with phase("drafting"):
+                result.drafts = self.speculator.draft([c.request for c in chunks],
+                                                      [[t for t, _ in sampled[id(c)]] for c in chunks])
+        return result
+
+    def _run(self, part: Pass, sampled: dict[int, list[tuple[int, TokenLogprobs | None]]]) -> None:
+        """One forward over `part` (and the MTP layer's over the same tokens), then sampling and
+        verification of the chunks it finishes, rollback of rejected drafts, and advancing."""
+        requests = [(c.request.handle, ids) for c, ids in part]
+        num_drafts = [len(c.draft_ids) for c, _ in part]
+        batch = ForwardBatch.build(self.cache.state, requests, num_logits=[1 + n for n in num_drafts])
+        lens = torch.tensor([len(ids) for _, ids in part])
+        ends = torch.cumsum(lens, 0)
+        drafts = torch.tensor(num_drafts)
+        row_req = torch.repeat_interleave(torch.arange(len(part)), lens)
+        # a draft is a token within the last num_drafts rows of its request
+        speculative = (torch.arange(int(ends[-1])) >= (ends - drafts)[row_req]).to(self.device)
+        rollback = Rollback(self.cache.state, batch, speculative, range(self.model.config.num_hidden_layers)) \
+            if any(num_drafts) else None
+        logits, streams = self.model(batch, self.cache.state, with_streams=True)
+        follow = self.speculator.follow(requests, streams, speculative) if self.speculator is not None else None
+
+        finishing = [i for i, (c, ids) in enumerate(part)
+                     if c.samples and c.request.handle.num_tokens + len(ids) - num_drafts[i] == c.start + c.num_tokens]
+        first_row = [0, *torch.cumsum(torch.tensor([1 + n for n in num_drafts]), 0).tolist()]
         with phase("sampling"):
-            return self._sample([c for c in out.chunks if c.samples], last_logits)
+            verdicts = self._sample([part[i][0] for i in finishing], logits, [first_row[i] for i in finishing])
+        accepted = [0] * len(part)
+        for i, tokens in zip(finishing, verdicts):
+            sampled[id(part[i][0])] = tokens
+            accepted[i] = len(tokens) - 1
+            if num_drafts[i] and self.speculator is not None:
+                self.speculator.count(num_drafts[i], accepted[i])
+        rejected_count = torch.tensor([n - a for n, a in zip(num_drafts, accepted)])
+        if rollback is not None:
+            rejected = (torch.arange(int(ends[-1])) >= (ends - rejected_count)[row_req]).to(self.device)
+            rollback.undo(rejected)
+            if follow is not None:
+                follow.undo(rejected)
+        if self.cache.state.hidden is not None:  # the MTP layer pairs the next token with the last kept streams
+            slots = torch.tensor([h.slot for h, _ in requests], device=self.device)
+            self.cache.state.hidden.index_copy_(0, slots, streams.index_select(0, (ends - 1 - rejected_count).to(
+                self.device)))
+        for i, (chunk, ids) in enumerate(part):
+            handle = chunk.request.handle
+            handle.num_tokens += len(ids) - num_drafts[i] + accepted[i]
+            kept = [t for t, _ in sampled[id(chunk)][:-1]] if accepted[i] else []
+            self.cache.commit(handle, chunk.request.token_ids + kept)
 
     def dummy_forward(self) -> None:
         """One token through the model on the scratch request, which never advances: keeps an idle
@@ -71,20 +122,39 @@ class Runner:
             raise RuntimeError("dummy forwards need a scratch request: set Runner.dummy (DPEngine does)")
         self.model(ForwardBatch.build(self.cache.state, [(self.dummy, [0])]), self.cache.state)
 
-    def _sample(self, chunks: list[ScheduledChunk], last_logits: dict[int, torch.Tensor]) -> RunnerOutput:
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
+                first_rows: list[int]) -> list[list[tuple[int, TokenLogprobs | None]]]:
+        """Sample each chunk's next token from its logits row `first_rows[i] + len(drafts)`, after verifying
+        its drafts on rows `first_rows[i] …`: per chunk, the accepted drafts then one sampled token,
+        each with its logprobs (None when not asked for)."""
         if not chunks:
-            return RunnerOutput()
+            return []
         reqs = [c.request for c in chunks]
-        batch = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
-                                    [len(r.token_ids) - r.num_prompt for r in reqs], self.device)
-        result = sample(torch.stack([last_logits[id(c)] for c in chunks]), batch)
+        counts = [1 + len(c.draft_ids) for c in chunks]
+        rows = [first + i for first, n in zip(first_rows, counts) for i in range(n)]
+        params = [r.params for r, n in zip(reqs, counts) for _ in range(n)]
+        counters = [len(r.token_ids) - r.num_prompt + i for r, n in zip(reqs, counts) for i in range(n)]
+        batch = SamplingBatch.build(params, [r.seed for r, n in zip(reqs, counts) for _ in range(n)], counters,
+                                    self.device)
+        drafts = None
+        if any(c.draft_ids for c in chunks):
+            drafts = torch.tensor([t for c in chunks for t in [*c.draft_ids, -1]], device=self.device)
+        result = sample(logits[torch.tensor(rows, device=self.device)], batch, drafts)
         token_ids = result.token_ids.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
-        wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if wanted:
+        kept = result.accepted.tolist() if drafts is not None else [False] * len(rows)
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if batch.max_logprobs >= 0:
             chosen = result.logprobs.tolist()
             top_ids, top_lp = result.top_ids.tolist(), result.top_logprobs.tolist()
-            for i in wanted:
-                n = reqs[i].params.logprobs
-                logprobs[i] = TokenLogprobs(token_ids[i], chosen[i], list(zip(top_ids[i][:n], top_lp[i][:n])))
-        return RunnerOutput(token_ids, logprobs)
+            for i, p in enumerate(params):
+                if p.logprobs is not None:
+                    n = p.logprobs
+                    logprobs[i] = TokenLogprobs(token_ids[i], chosen[i], list(zip(top_ids[i][:n], top_lp[i][:n])))
+        out, row = [], 0
+        for n in counts:
+            j = 0
+            while j < n - 1 and kept[row + j]:  # the longest run of accepted drafts
+                j += 1
+            out.append([(token_ids[row + i], logprobs[row + i]) for i in range(j + 1)])
+            row += n
+        return out

@@ -160,6 +160,7 @@ class SampleOutput:
     logprobs: torch.Tensor
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    accepted: torch.Tensor | None = None  # [R] bool, with drafts: whether the row's draft was kept
 
 
 # splitmix64 (Steele et al., 2014): a counter-based generator whose output i is mix(seed + i·γ).
@@ -220,11 +221,21 @@ def filter_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return torch.zeros_like(keep).scatter_(1, order, keep)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-    """One token per row. logits [R, V] float32 → SampleOutput (see its docstring for shapes)."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, drafts: torch.Tensor | None = None) -> SampleOutput:
+    """One token per row. logits [R, V] float32 → SampleOutput (see its docstring for shapes).
+
+    drafts [R] int64 (-1: none): a proposed token per row, from a deterministic draft model
+    (speculative decoding). A greedy row keeps its draft iff it is the argmax. A sampling row keeps
+    draft x with probability p(x) (p: the row's filtered distribution; this is the rejection
+    rule min(1, p/q) for a one-hot q), and otherwise draws from p with x removed, renormalised:
+    either way the token is distributed as p. Acceptance compares the row's uniform of token x
+    with p(x), and the redraw's Gumbel noise uses the other tokens' uniforms only, so the two are
+    independent and the row stays a pure function of (seed, counter).
+    """
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1)
     token_ids = logits.argmax(dim=-1)
+    accepted = None if drafts is None else token_ids == drafts
     # only rows that sample pay for the sort, the filters and the [rows, V] noise
     rows = (batch.temperature > 0).nonzero().squeeze(1)
     if rows.numel():
@@ -232,10 +243,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         # subtracting the row max first keeps tiny temperatures finite: the top logit becomes 0, not inf
         scaled = (sub - sub.amax(dim=-1, keepdim=True)) / batch.temperature[rows, None]
         keep = filter_mask(scaled, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+        u = uniform(batch.seed[rows], batch.counter[rows], logits.shape[-1])
+        masked = scaled.double().masked_fill(~keep, -math.inf)
+        if drafts is not None:
+            draft = drafts[rows]
+            col = draft.clamp(min=0)[:, None]
+            p_draft = masked.softmax(dim=-1).gather(1, col).squeeze(1)
+            kept = (draft >= 0) & (u.gather(1, col).squeeze(1) < p_draft)
+            masked = torch.where((draft >= 0)[:, None], masked.scatter(1, col, -math.inf), masked)
+            accepted[rows] = kept
         # Gumbel-max: argmax(scaled + Gumbel noise) is a draw from softmax(scaled) over the kept tokens
-        gumbel = -(-uniform(batch.seed[rows], batch.counter[rows], logits.shape[-1]).log()).log()
-        token_ids[rows] = (scaled.double().masked_fill(~keep, -math.inf) + gumbel).argmax(dim=-1)
-    out = SampleOutput(token_ids, raw_logprobs.gather(1, token_ids[:, None]).squeeze(1))
+        drawn = (masked - (-u.log()).log()).argmax(dim=-1)
+        token_ids[rows] = drawn if drafts is None else torch.where(kept, draft, drawn)
+    out = SampleOutput(token_ids, raw_logprobs.gather(1, token_ids[:, None]).squeeze(1), accepted=accepted)
     if batch.max_logprobs >= 0:
         n = min(batch.max_logprobs, logits.shape[-1])
         out.top_logprobs, out.top_ids = raw_logprobs.topk(n, dim=-1)

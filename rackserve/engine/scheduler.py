@@ -20,11 +20,13 @@ from rackserve.engine.state_cache import CacheHandle, StateCache
 
 @dataclass
 class ScheduledChunk:
-    """Tokens `[start, start + num_tokens)` of `request.token_ids` to compute this step."""
+    """Tokens `[start, start + num_tokens)` of `request.token_ids` to compute this step, then (a decode
+    with speculative decoding) `draft_ids`, drafted tokens to verify after them."""
 
     request: Request
     start: int
     num_tokens: int
+    draft_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -39,15 +41,19 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(c.num_tokens + len(c.draft_ids) for c in self.chunks)
 
 
 @dataclass
 class RunnerOutput:
-    """One sampled token per chunk that `samples`, in chunk order."""
+    """One sampled token per chunk that `samples`, in chunk order. With speculative decoding, per such
+    chunk also the draft tokens accepted before that token (with their logprobs), and the drafts
+    for the next step."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    accepted: list[list[tuple[int, TokenLogprobs | None]]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -90,10 +96,11 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._chunk(req, budget)
-            if self._make_room(req, n, scheduled, out):
-                out.chunks.append(ScheduledChunk(req, req.num_computed, n))
+            drafts = self._drafts(req, budget - n) if n == 1 else []
+            if self._make_room(req, n + len(drafts), scheduled, out):
+                out.chunks.append(ScheduledChunk(req, req.num_computed, n, drafts))
                 scheduled.add(req.request_id)
-                budget -= n
+                budget -= n + len(drafts)
         # admit new requests only when nobody had to be preempted: memory is tight otherwise
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -124,6 +131,13 @@ class Scheduler:
                 end = aligned
         return end - start
 
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The drafts to verify after a decode's token: no more than the budget, the tokens the request
+        may still produce beyond this one, or positions left before max_model_len."""
+        left = min(req.params.max_tokens - (len(req.token_ids) - req.num_prompt),
+                   self.config.max_model_len - len(req.token_ids) + 1) - 1
+        return req.draft_ids[:max(0, min(budget, left))]
+
     def _make_room(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Reserve state for `n` more tokens of `req`, preempting later arrivals; False if `req` itself
         had to go."""
@@ -139,7 +153,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.cache.free(req.handle)
-        req.handle, req.num_computed, req.status = None, 0, Status.WAITING
+        req.handle, req.num_computed, req.status, req.draft_ids = None, 0, Status.WAITING, []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -150,56 +164,64 @@ class Scheduler:
         the first output token sampled there (decoding starts), or a cached prefix (prefill goes on)."""
         req.handle, req.num_computed, req.status = handle, handle.num_tokens, Status.RUNNING
         self.running.append(req)
-        return self._append(req, token, logprobs) if token is not None else None
+        return self._append(req, [(token, logprobs)]) if token is not None else None
 
     # ---- update ------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         """Apply a step's results; one output per request that sampled a token (or finished)."""
         outputs = []
-        sampled = iter(zip(result.token_ids, result.logprobs))
+        n = len(result.token_ids)
+        sampled = iter(zip(result.token_ids, result.logprobs, result.accepted or [[]] * n, result.drafts or [[]] * n))
         for chunk in out.chunks:
             req = chunk.request
             if not chunk.samples:
                 req.num_computed += chunk.num_tokens
                 continue
-            token, logprobs = next(sampled)
+            token, logprobs, accepted, drafts = next(sampled)
             if req.finished:  # aborted while the step ran
                 continue
-            req.num_computed += chunk.num_tokens
-            outputs.append(self._append(req, token, logprobs))
+            # accepted drafts are in the state now, the token after them is not
+            req.num_computed += chunk.num_tokens + len(accepted)
+            req.draft_ids = drafts
+            outputs.append(self._append(req, [*accepted, (token, logprobs)]))
         return outputs
 
-    def _append(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _append(self, req: Request, tokens: list[tuple[int, TokenLogprobs | None]]) -> RequestOutput:
+        """Append new (token, logprobs) until one finishes the request; the rest are dropped."""
         params = req.params
-        req.token_ids.append(token)
-        if logprobs is not None:
-            req.logprobs.append(logprobs)
-        if req.push_to is not None:  # prefill only: the decode rank takes it from here
-            self.running.remove(req)
-            req.status, req.finish_reason = Status.FINISHED, "pushed"
-            self.pushed.append(req)
-            return RequestOutput(req.request_id, [token], "", True, "pushed", num_prompt_tokens=req.num_prompt,
-                                 num_cached_tokens=req.num_cached, num_output_tokens=1)
-        reason = None
-        is_eos = token in req.eos_ids and not params.ignore_eos
-        text = ""
-        if token in params.stop_token_ids or is_eos:
-            reason = "stop"
-        elif req.detokenizer is not None:
-            text = req.detokenizer.add([token])
-            if req.detokenizer.stopped:
+        new, new_logprobs, text, reason = [], [], "", None
+        for token, logprobs in tokens:
+            req.token_ids.append(token)
+            new.append(token)
+            if logprobs is not None:
+                req.logprobs.append(logprobs)
+                new_logprobs.append(logprobs)
+            if req.push_to is not None:  # prefill only: the decode rank takes it from here
+                self.running.remove(req)
+                req.status, req.finish_reason = Status.FINISHED, "pushed"
+                self.pushed.append(req)
+                return RequestOutput(req.request_id, [token], "", True, "pushed", num_prompt_tokens=req.num_prompt,
+                                     num_cached_tokens=req.num_cached, num_output_tokens=1)
+            is_eos = token in req.eos_ids and not params.ignore_eos
+            if token in params.stop_token_ids or is_eos:
                 reason = "stop"
-        if reason is None and (len(req.token_ids) - req.num_prompt >= params.max_tokens
-                               or len(req.token_ids) >= self.config.max_model_len):
-            reason = "length"
+            elif req.detokenizer is not None:
+                text += req.detokenizer.add([token])
+                if req.detokenizer.stopped:
+                    reason = "stop"
+            if reason is None and (len(req.token_ids) - req.num_prompt >= params.max_tokens
+                                   or len(req.token_ids) >= self.config.max_model_len):
+                reason = "length"
+            if reason is not None:
+                break
         if reason is not None:
             self.running.remove(req)
             self._finish(req, reason)
             if req.detokenizer is not None:
                 text += req.detokenizer.flush()
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=[token], new_text=text, finished=reason is not None,
-            finish_reason=reason, new_logprobs=[logprobs] if logprobs is not None else [],
+            request_id=req.request_id, new_token_ids=new, new_text=text, finished=reason is not None,
+            finish_reason=reason, new_logprobs=new_logprobs,
             num_prompt_tokens=req.num_prompt, num_cached_tokens=req.num_cached,
             num_output_tokens=len(req.token_ids) - req.num_prompt,
         )

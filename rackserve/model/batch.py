@@ -11,7 +11,7 @@ addresses a grid of positions as rows of the virtual concatenation [flattened ri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +52,8 @@ class CompressPlan:
     new_entries: for each of the `E_new` entries completed in this step, the `K` source positions
       it pools (`K = 2·rate` for CSA: window w-1's Ca part then window w's Cb part; `rate` for HCA).
     entry_dst `[E_new]`: its row in entries.view(P * rate_per_page, ·); entry_pos `[E_new]`: the
-      position of its first token (its RoPE position).
+      position of its first token (its RoPE position); entry_src `[E_new]`: the token row that
+      completes it (the last position of its window).
     visible_row `[T, E]` / visible `[T, E]`: for each token, the rows of its request's entries
       0..E-1 (E = the most any token sees) and whether that entry is complete at the token.
     """
@@ -61,6 +62,7 @@ class CompressPlan:
     new_entries: RingGather
     entry_dst: torch.Tensor
     entry_pos: torch.Tensor
+    entry_src: torch.Tensor
     ring_write: RingWrite
     visible_row: torch.Tensor
     visible: torch.Tensor
@@ -77,13 +79,17 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, state: ModelState, requests: Sequence[tuple[RequestState, Sequence[int]]],
-              all_logits: bool = False) -> "ForwardBatch":
+              all_logits: bool = False, num_logits: Sequence[int] | None = None,
+              kinds: Collection[str] | None = None) -> "ForwardBatch":
         """Batch `requests` = [(state handle, new token ids)], each continuing at `handle.num_tokens`.
 
         The handles must already `reserve` room for their new tokens. Logits come back for the last
-        new token of each request, or for every token when `all_logits`.
+        new token of each request, for every token when `all_logits`, or for the last `num_logits[r]`
+        tokens of request r. `kinds`: the layer kinds the forward runs (default: every kind of the
+        state); compression plans are made for those only.
         """
         config: ModelConfig = state.config
+        kinds = set(state.layer_types if kinds is None else kinds) - {SLIDING}
         device = state.swa[0].device
         lens = torch.tensor([len(ids) for _, ids in requests], dtype=torch.long)
         if (lens <= 0).any():
@@ -93,7 +99,7 @@ class ForwardBatch:
         max_pages = max(1, max(len(h.pages) for h, _ in requests))
         page_table = torch.zeros(len(requests), max_pages, dtype=torch.long)
         for r, (h, ids) in enumerate(requests):
-            if state.pages_for(h.num_tokens + len(ids)) > len(h.pages):
+            if kinds and state.pages_for(h.num_tokens + len(ids)) > len(h.pages):
                 raise ValueError(
                     f"request in slot {h.slot} has {len(h.pages)} pages, too few for "
                     f"{h.num_tokens + len(ids)} tokens; reserve pages first (StateCache.reserve)"
@@ -110,11 +116,19 @@ class ForwardBatch:
         w = config.sliding_window
         swa = geo.ring_gather(positions[:, None] - (w - 1) + torch.arange(w), req, w)
         plans = {}
-        for kind in sorted(set(config.layer_types) - {SLIDING}):
+        for kind in sorted(kinds):
             rate = config.rate(kind)
             plans[kind] = geo.compress_plan(kind, rate, state.block_size // rate, page_table)
 
-        logits_rows = torch.arange(len(input_ids)) if all_logits else offsets + lens - 1
+        if all_logits:
+            logits_rows = torch.arange(len(input_ids))
+        elif num_logits is not None:
+            counts = torch.tensor(num_logits, dtype=torch.long)
+            owner = torch.repeat_interleave(torch.arange(len(requests)), counts)
+            within = torch.arange(len(owner)) - (torch.cumsum(counts, 0) - counts)[owner]
+            logits_rows = (offsets + lens - counts)[owner] + within
+        else:
+            logits_rows = offsets + lens - 1
         batch = cls(input_ids, positions, logits_rows, swa, geo.ring_write(w), plans)
         return batch.to(device)
 
@@ -167,10 +181,12 @@ class _Geometry:
         lo = w * rate - (rate if kind == CSA else 0)
         new_entries = self.ring_gather(lo[:, None] + torch.arange(width), owner, width)
         entry_dst = page_table[owner, w // per_page] * per_page + w % per_page
+        entry_src = self.offsets[owner] + (w + 1) * rate - 1 - self.starts[owner]
 
         seen = (self.positions + 1) // rate  # entries complete at each token
         e = torch.arange(int(seen.max()) if len(seen) else 0)
         pages = page_table[self.req][:, (e // per_page).clamp(max=page_table.shape[1] - 1)]
         visible_row = pages * per_page + e % per_page
         visible = e[None, :] < seen[:, None]
-        return CompressPlan(rate, new_entries, entry_dst, w * rate, self.ring_write(width), visible_row, visible)
+        return CompressPlan(rate, new_entries, entry_dst, w * rate, entry_src, self.ring_write(width), visible_row,
+                            visible)

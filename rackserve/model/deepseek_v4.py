@@ -2,46 +2,25 @@
 
 Module and parameter names follow the Hugging Face checkpoint (`model.layers.N.self_attn…`), so a
 checkpoint's state dict loads as is. `forward(batch, state)` runs the new tokens of every request
-in `batch` at once, reading and updating each request's state in `state`.
+in `batch` at once, reading and updating each request's state in `state`. The MTP layers
+(`mtp.N…`, see `rackserve.model.mtp`) draft tokens for speculative decoding.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from rackserve.config import SLIDING, ModelConfig
-from rackserve.model.attention import Attention
 from rackserve.model.batch import ForwardBatch
-from rackserve.model.layers import HyperConnection, HyperHead, RMSNorm
+from rackserve.model.decoder import DecoderLayer
+from rackserve.model.layers import HyperHead, RMSNorm
 from rackserve.model.moe import MoE
+from rackserve.model.mtp import MTPBlock
 from rackserve.model.rope import Rotary
 from rackserve.model.state import ModelState
-from rackserve.timing import phase
-
-
-class DecoderLayer(nn.Module):
-    """Attention then MoE, each wrapped in an mHC over the `hc_mult` residual streams."""
-
-    def __init__(self, config: ModelConfig, layer: int):
-        super().__init__()
-        c = config
-        self.self_attn = Attention(c, layer)
-        self.mlp = MoE(c, layer)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.attn_hc = HyperConnection(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        self.ffn_hc = HyperConnection(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch, state: ModelState, rotary: Rotary) -> torch.Tensor:
-        """streams `[T, hc_mult, D]` -> `[T, hc_mult, D]`."""
-        post, comb, x = self.attn_hc.weights(streams)
-        with phase("attention"):
-            out = self.self_attn(self.input_layernorm(x), batch, state, rotary)
-        streams = HyperConnection.merge(streams, out, post, comb)
-        post, comb, x = self.ffn_hc.weights(streams)
-        out = self.mlp(self.post_attention_layernorm(x), batch.input_ids, batch.positions)
-        return HyperConnection.merge(streams, out, post, comb)
 
 
 class DeepseekV4Model(nn.Module):
@@ -64,6 +43,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # registered last, so the main model's parameters come first in the state dict
+        self.mtp = nn.ModuleList(MTPBlock(config, i) for i in range(config.num_nextn_predict_layers))
         self._rotary: dict[str, Rotary] = {}
 
     def rotary(self, kind: str) -> Rotary:
@@ -85,13 +66,20 @@ class DeepseekV4ForCausalLM(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers]
 
+    def drop_mtp(self) -> None:
+        """Forget the MTP layers (a checkpoint without `mtp.*` weights has none to draft with)."""
+        self.mtp = nn.ModuleList()
+        self.config = replace(self.config, num_nextn_predict_layers=0, mtp_layer_types=())
+
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
-        """Run `batch` -> logits `[len(batch.logits_rows), vocab]` (fp32).
+    def forward(self, batch: ForwardBatch, state: ModelState,
+                with_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run `batch` -> logits `[len(batch.logits_rows), vocab]` (fp32), and with `with_streams` the
+        final residual streams of every token `[T, hc_mult, D]` (what the MTP layer reads).
 
         Writes the new tokens' state into `state`; the caller advances each request's
         `num_tokens` once the step is accepted.
@@ -102,4 +90,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         for layer in m.layers:
             streams = layer(streams, batch, state, self.rotary(layer.self_attn.kind))
         hidden = m.norm(m.hc_head(streams.index_select(0, batch.logits_rows)))
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return (logits, streams) if with_streams else logits
+
+    @torch.inference_mode()
+    def mtp_streams(self, hidden: torch.Tensor, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
+        """The first MTP layer over `batch`, whose token at position i pairs with `hidden` `[T, hc_mult, D]`,
+        the streams of position i (main model, or the MTP's own for a further draft) -> `[T, hc_mult, D]`."""
+        block = self.mtp[0]
+        return block(hidden, self.model.embed_tokens(batch.input_ids), batch, state,
+                     self.rotary(block.self_attn.kind))

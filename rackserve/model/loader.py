@@ -2,8 +2,9 @@
 
 Tensor names are the Hugging Face ones (`model.layers.0.self_attn.q_a_proj.weight`, …). Norms,
 mHC, sinks, position biases and the router's correction bias stay fp32 whatever the checkpoint
-dtype, as in the reference; every other weight takes the model dtype. MTP tensors (`mtp.*`) are
-not part of the main model and are skipped here.
+dtype, as in the reference; every other weight takes the model dtype. The MTP layers' tensors
+(`mtp.N.*`, see `rackserve.model.mtp`) load like the rest; a checkpoint with none of them (one
+saved by transformers, which drops them) gives a model without MTP layers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FP32_MARKERS = ("_hc.", "hc_head.", "sinks", "position_bias", "norm.weight", "e_score_correction_bias")
-_SKIPPED_PREFIXES = ("mtp.",)
+_MTP_PREFIX = "mtp."
 
 
 class CheckpointError(ValueError):
@@ -80,6 +81,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
 
 def load_weights(model: DeepseekV4ForCausalLM, files: list[Path]) -> None:
     """Copy every tensor of `files` into `model`; raise listing missing, unexpected and mis-shaped ones."""
+    if not any(name.startswith(_MTP_PREFIX) for name in _tensor_names(files)):
+        model.drop_mtp()
     targets = dict(model.state_dict(keep_vars=True))
     if model.config.tie_word_embeddings:
         targets.pop("lm_head.weight", None)
@@ -93,8 +96,6 @@ def load_weights(model: DeepseekV4ForCausalLM, files: list[Path]) -> None:
             raise CheckpointError(f"cannot read {file}: {e}; the file is truncated or not safetensors") from None
         with handle as f:
             for name in f.keys():
-                if name.startswith(_SKIPPED_PREFIXES):
-                    continue
                 target = targets.get(name)
                 if target is None:
                     unexpected.append(name)
@@ -113,6 +114,17 @@ def load_weights(model: DeepseekV4ForCausalLM, files: list[Path]) -> None:
     missing = sorted(set(targets) - seen)
     if missing or unexpected or misshaped:
         raise CheckpointError(_mismatch_message(missing, unexpected, misshaped))
+
+
+def _tensor_names(files: list[Path]) -> list[str]:
+    names = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names.extend(f.keys())
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise CheckpointError(f"cannot read {file}: {e}; the file is truncated or not safetensors") from None
+    return names
 
 
 def _mismatch_message(missing: list[str], unexpected: list[str], misshaped: list[str], show: int = 8) -> str:

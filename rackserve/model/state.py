@@ -10,6 +10,11 @@ Two kinds of memory, both preallocated once:
 * **pages** (one per `block_size` tokens of a request): per compressed layer the compressed
   entries of those tokens (`block_size / rate` of them) and, for CSA, the indexer's keys.
 
+With `mtp_layers`, the model's first MTP layer (speculative decoding) is one more layer of the
+state, after the main ones, plus one slot tensor `hidden`: the main model's final residual streams
+at the request's last position, which the MTP layer pairs with the next token. The MTP layer's
+state then covers one position less than the main layers' (see `rackserve.engine.speculative`).
+
 A request holds one slot and a page table (`RequestState`); which slots and pages are free is the
 state cache's business (`rackserve.engine.state_cache`). `export` / `write` copy a request's state
 out as a list of contiguous tensors and into another `ModelState` (another rank, or a snapshot).
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rackserve.config import CSA, ModelConfig
+from rackserve.config import CSA, SLIDING, ModelConfig
 
 
 @dataclass
@@ -59,6 +64,7 @@ class ModelState:
 
     `block_size` must be a multiple of every compress rate so that a page holds whole entries.
     Tensors (per layer l, S = num_slots, P = num_pages, W = sliding_window, hd = head_dim):
+      hidden        [S, hc_mult, D]               with mtp_layers only: streams of the last position
       swa[l]        [S, W, hd]                    ring indexed by position % W
       ring[l]       [S, L, 2·c]                   compressor `[kv | gate]`, c = 2·hd (CSA) or hd (HCA)
       entries[l]    [P, block_size / rate, hd]    compressed entries
@@ -67,13 +73,17 @@ class ModelState:
     """
 
     def __init__(self, config: ModelConfig, num_slots: int, num_pages: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", mtp_layers: int = 0):
         if block_size <= 0 or block_size % config.min_block_size:
             raise ValueError(
                 f"block_size={block_size} must be a positive multiple of {config.min_block_size} "
                 f"(the least common multiple of the compress rates {config.compress_rates})"
             )
+        if mtp_layers > min(1, config.num_nextn_predict_layers) or set(config.mtp_layer_types[:mtp_layers]) - {SLIDING}:
+            raise ValueError(f"mtp_layers={mtp_layers}: the state holds at most the first MTP layer, when it is "
+                             f"sliding-window; this model's are {config.mtp_layer_types}")
         self.config, self.block_size = config, block_size
+        self.layer_types = config.layer_types + config.mtp_layer_types[:mtp_layers]
         self.num_slots, self.num_pages = num_slots, num_pages
         hd, ihd, w = config.head_dim, config.index_head_dim, config.sliding_window
 
@@ -81,14 +91,15 @@ class ModelState:
             # zeros, not empty: masked-out rows still enter matmuls and must not hold NaNs
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        n = config.num_hidden_layers
+        n = len(self.layer_types)
+        self.hidden = zeros(num_slots, config.hc_mult, config.hidden_size) if mtp_layers else None
         self.swa = [zeros(num_slots, w, hd) for _ in range(n)]
         self.ring: list[torch.Tensor | None] = [None] * n
         self.entries: list[torch.Tensor | None] = [None] * n
         self.index_ring: list[torch.Tensor | None] = [None] * n
         self.index_keys: list[torch.Tensor | None] = [None] * n
-        for layer, kind in enumerate(config.layer_types):
-            rate = config.compress_rate(layer)
+        for layer, kind in enumerate(self.layer_types):
+            rate = config.rate(kind)
             if not rate:
                 continue
             width = 2 * hd if kind == CSA else hd
@@ -102,7 +113,7 @@ class ModelState:
     # ---- layout ------------------------------------------------------------------------------
     def pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The slot-indexed and the page-indexed tensors, in export order."""
-        slot_t = [t for group in (self.swa, self.ring, self.index_ring) for t in group if t is not None]
+        slot_t = [t for group in ([self.hidden], self.swa, self.ring, self.index_ring) for t in group if t is not None]
         page_t = [t for group in (self.entries, self.index_keys) for t in group if t is not None]
         return slot_t, page_t
 

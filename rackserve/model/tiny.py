@@ -2,8 +2,9 @@
 
 `make_tiny(dir)` writes config.json, model.safetensors, tokenizer.json and tokenizer_config.json,
 with no download. The default config has all three attention types (sliding, CSA every 4 tokens,
-HCA every 16), hash and learned routing, YaRN on the compressed layers and an indexer top-k
-smaller than long prompts' entry counts; about half a million parameters, so a CPU runs it fast.
+HCA every 16), hash and learned routing, YaRN on the compressed layers, an indexer top-k smaller
+than long prompts' entry counts and one MTP layer (sliding window, as in V4 checkpoints); about
+half a million parameters, so a CPU runs it fast.
 The files load in `transformers.DeepseekV4ForCausalLM` as well as in rackserve.
 """
 
@@ -43,7 +44,7 @@ TINY_CONFIG = {
     "index_n_heads": 2,
     "index_head_dim": 16,
     "index_topk": 8,
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 1,
     "max_position_embeddings": 4096,
     "rope_theta": 10000.0,
     "compress_rope_theta": 160000.0,
@@ -62,36 +63,46 @@ def default_cache_dir() -> Path:
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Fill every weight with seeded random values scaled so activations stay O(1)."""
-    g = torch.Generator().manual_seed(seed)
+    """Fill every weight with seeded random values scaled so activations stay O(1).
 
-    def randn(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
+    The MTP layers draw from a generator of their own, so the main model's weights are the same
+    with or without them (checkpoints made before the tiny model had MTP layers stay valid).
+    """
+    params = model.state_dict(keep_vars=True)
+    n_experts = model.config.n_routed_experts
+    for is_mtp, g in ((False, torch.Generator().manual_seed(seed)),
+                      (True, torch.Generator().manual_seed(seed + _MTP_SEED_OFFSET))):
+        with torch.no_grad():
+            for name, t in params.items():
+                if name.startswith("mtp.") == is_mtp:
+                    t.data.copy_(_random_value(name, t.shape, g, n_experts).to(t.dtype))
+
+
+_MTP_SEED_OFFSET = 0x5EED
+
+
+def _random_value(name: str, shape: torch.Size, g: torch.Generator, n_experts: int) -> torch.Tensor:
+    def randn(std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=g) * std + mean
 
-    with torch.no_grad():
-        for name, t in model.state_dict(keep_vars=True).items():
-            shape = t.shape
-            if name.endswith("tid2eid"):
-                vocab, k = shape
-                n_experts = model.config.n_routed_experts
-                value = torch.argsort(torch.rand(vocab, n_experts, generator=g), dim=1)[:, :k]
-            elif name.endswith("norm.weight"):
-                value = randn(shape, 0.1, 1.0)
-            elif name.endswith(("_hc.fn", "hc_head.hc_fn")):
-                value = randn(shape, 1 / math.sqrt(shape[1]))
-            elif name.endswith(("_hc.base", "hc_head.hc_base")):
-                value = randn(shape, 0.5)
-            elif name.endswith(("_hc.scale", "hc_head.hc_scale")):
-                value = randn(shape, 0.1, 1.0)
-            elif name.endswith(("sinks", "position_bias")):
-                value = randn(shape, 0.5)
-            elif name.endswith("e_score_correction_bias"):
-                value = randn(shape, 0.1)
-            elif name.endswith("embed_tokens.weight"):
-                value = randn(shape, 1.0)
-            else:  # projections [.., out, in]: unit-variance outputs for unit-variance inputs
-                value = randn(shape, 1 / math.sqrt(shape[-1]))
-            t.data.copy_(value.to(t.dtype))
+    if name.endswith("tid2eid"):
+        vocab, k = shape
+        return torch.argsort(torch.rand(vocab, n_experts, generator=g), dim=1)[:, :k]
+    if name.endswith("norm.weight"):
+        return randn(0.1, 1.0)
+    if name.endswith(("_hc.fn", "hc_head.hc_fn")):
+        return randn(1 / math.sqrt(shape[1]))
+    if name.endswith(("_hc.base", "hc_head.hc_base")):
+        return randn(0.5)
+    if name.endswith(("_hc.scale", "hc_head.hc_scale")):
+        return randn(0.1, 1.0)
+    if name.endswith(("sinks", "position_bias")):
+        return randn(0.5)
+    if name.endswith("e_score_correction_bias"):
+        return randn(0.1)
+    if name.endswith("embed_tokens.weight"):
+        return randn(1.0)
+    return randn(1 / math.sqrt(shape[-1]))  # projections [.., out, in]: unit-variance outputs for unit-variance inputs
 
 
 def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None, hot_experts: int = 0) -> Path:
@@ -108,7 +119,7 @@ def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None, hot_e
     model = build_model(cfg, torch.float32)
     randomize(model, seed)
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in [*model.model.layers, *model.mtp]:
             if not layer.mlp.gate.hashed:
                 layer.mlp.gate.e_score_correction_bias[:hot_experts] += 1.0
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -130,14 +141,24 @@ def _tokenizer_is_current(path: Path) -> bool:
     return config.get("chat_template") == CHAT_TEMPLATE
 
 
+def _has_mtp(path: Path) -> bool:
+    """Whether the checkpoint at `path` has today's tiny MTP layers."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError:
+        return False
+    return config.get("num_nextn_predict_layers") == TINY_CONFIG["num_nextn_predict_layers"]
+
+
 def ensure_tiny(path: str | Path | None = None) -> Path:
     """The tiny checkpoint at `path` (default cache dir), made once if it is not there yet.
 
     A checkpoint cached by an older rackserve gets today's tokenizer files (chat template included); its
-    weights stay as they are, since the tokenizer does not depend on the seed.
+    weights stay as they are, since the tokenizer does not depend on the seed. One cached before the
+    tiny model had MTP layers is made again (its main weights come out the same).
     """
     path = Path(path) if path else default_cache_dir()
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file() or not _has_mtp(path):
         make_tiny(path)
     elif not _tokenizer_is_current(path):
         vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
