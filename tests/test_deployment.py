@@ -1,11 +1,14 @@
 """A P/D deployment on the session's Ray cluster (a DEP1 prefill instance, a DEP2 decode instance,
 one KV store; real NIXL between the actors): outputs equal the single-process engine's, a session's
 second turn prefills only its new text, and a killed prefill rank or KV store costs recomputation,
-not requests."""
+not requests; requests submitted at once from many threads all reach the decode ranks within a few
+steps."""
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -90,6 +93,38 @@ def test_a_dead_kv_store_and_a_dead_prefill_rank_cost_only_recomputation(deploym
     assert totals(deployment, "decode")["kv_recomputed"] == before + 1
     [again] = deployment.generate([prompt(25, seed=91)], greedy)  # the prefill instance restarts
     assert again["token_ids"] == single(tiny_checkpoint, [prompt(25, seed=91)], greedy)[0]
+
+
+@pytest.mark.slow
+def test_concurrent_submits_reach_the_decode_ranks_within_a_few_steps(deployment, tiny_checkpoint):
+    """24 requests submitted at once from threads (as the HTTP ingress submits) while both decode
+    ranks decode, so that every gang step runs a forward: all 24 reservations are made within a few
+    steps, not one request per step."""
+    users = 24
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    busy = [deployment.stream(deployment.submit(prompt(20, seed=100 + i), long)) for i in range(2)]  # one per rank
+    for stream in busy:
+        next(stream)
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [prompt(12, seed=200 + i) for i in range(users)]
+    start = threading.Barrier(users)
+
+    def submit(ids: list[int]) -> str:
+        start.wait()
+        return deployment.submit(ids, short)
+
+    def steps() -> int:
+        return deployment.stats()["decode"][0]["members"][0]["steps"]  # the ranks step in lockstep
+
+    before = steps()
+    with ThreadPoolExecutor(users) as pool:
+        ids = list(pool.map(submit, prompts))
+    took = steps() - before
+    for stream in busy:
+        stream.close()  # aborts them
+    got = [[t for out in deployment.stream(r) for t in out["new_token_ids"]] for r in ids]
+    assert got == single(tiny_checkpoint, prompts, short)
+    assert took <= 8, f"{users} concurrent submits took {took} decode steps"
 
 
 @pytest.mark.slow

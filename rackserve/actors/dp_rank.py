@@ -2,7 +2,7 @@
 
 In DEP mode it also holds its share of the routed experts; in attention–FFN split mode it holds
 none and its MoE layers send every token to the expert ranks. Requests come in through `submit`,
-outputs go out through `poll`.
+outputs go out through `poll_all`, which the instance's output pump for this rank long-polls.
 """
 
 from __future__ import annotations
@@ -92,18 +92,22 @@ class DPRank(GangMember):
             self._outputs.pop(request_id, None)
         self._wake.set()
 
-    def poll(self, request_id: str, timeout: float = 1.0) -> list[dict]:
-        """Outputs of `request_id` since the last poll (waits up to `timeout` s for the first)."""
+    def poll_all(self, timeout: float = 1.0) -> dict[str, list[dict]]:
+        """{request id: its outputs since the last call} for every request with new outputs, in
+        order, a finished request's last (it is then forgotten); waits up to `timeout` s for any.
+        One caller: the instance's output pump, so that a request waiting for its state or its turn
+        holds no actor thread."""
         with self._lock:
-            self._lock.wait_for(lambda: self._outputs.get(request_id) or self.error, timeout)
+            self._lock.wait_for(lambda: self.error or any(self._outputs.values()), timeout)
             if self.error:
                 raise RuntimeError(self.error)
-            outs = self._outputs.get(request_id, [])
-            if outs and outs[-1]["finished"]:
-                del self._outputs[request_id]
-            else:
-                self._outputs[request_id] = []
-            return outs
+            ready = {request_id: outs for request_id, outs in self._outputs.items() if outs}
+            for request_id, outs in ready.items():
+                if outs[-1]["finished"]:
+                    del self._outputs[request_id]
+                else:
+                    self._outputs[request_id] = []
+            return ready
 
     def _stats(self) -> dict:
         return self.engine.stats()

@@ -11,6 +11,11 @@ CUDA context on the GPU, no hop between two processes on it). The routed experts
 `placement.rebalance` (uniform load until load is counted); each request goes to the DP rank with
 the fewest requests outstanding.
 
+Outputs: one pump thread per DP rank long-polls the rank for the outputs of all its requests at
+once and puts each request's into its stream, which `stream` and `astream` read; so a rank answers
+one poll at a time however many requests it runs, and a request waiting for its turn or its state
+holds none of the rank actor's threads.
+
 Faults: a member that dies or stops answering fails the gang (survivors notice at their next
 exchange, within `timeout`); every request in flight ends with an `InstanceError` naming the member,
 and the instance restarts its gang, so the next requests are served.
@@ -41,13 +46,61 @@ from rackserve.model.tiny import ensure_tiny
 from rackserve.placement import planner, rebalance
 
 PING_TIMEOUT_S = 5.0  # a member that does not answer a ping this long after a failure counts as stalled
+POLL_TIMEOUT_S = 1.0  # an output pump's long-poll: an idle DP rank answers one poll per second
 
 
 class InstanceError(RuntimeError):
     """The instance's gang failed under a request; the message names the member and what to do."""
 
 
-_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, InstanceError)
+class _Stream:
+    """One request's outputs on their way to its reader: the output pump of its DP rank (a thread)
+    puts them, `Instance.stream` takes them blocking, `Instance.astream` awaiting (the pump wakes
+    its event loop). A stream ends with a finished output or an `InstanceError`."""
+
+    def __init__(self, rank: int, generation: int):
+        self.rank, self.generation = rank, generation
+        self._items: list = []  # output dicts, maybe an InstanceError last
+        self._ready = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None  # an asyncio reader's, from its first take
+        self._event: asyncio.Event | None = None
+
+    def put(self, items: list) -> None:
+        with self._ready:
+            self._items += items
+            self._ready.notify()
+            loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._event.set)
+            except RuntimeError:  # the reader's event loop is closed: nobody waits
+                pass
+
+    def take(self) -> list[dict]:
+        """The outputs put since the last take (waits for one); raises the error that ended the stream."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._items)
+            return self._pop()
+
+    async def atake(self) -> list[dict]:
+        """`take` for an asyncio reader: awaits instead of blocking its event loop."""
+        with self._ready:
+            if self._loop is None:
+                self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
+        while True:
+            with self._ready:
+                if self._items:
+                    self._event.clear()  # sets still queued are for the items taken here
+                    return self._pop()
+            await self._event.wait()
+
+    def _pop(self) -> list[dict]:
+        """The outputs before the first error (the error stays, for the next take), or that error."""
+        end = next((i for i, item in enumerate(self._items) if isinstance(item, InstanceError)), len(self._items))
+        if end == 0:
+            raise self._items[0]
+        outs, self._items = self._items[:end], self._items[end:]
+        return outs
 
 
 class Instance:
@@ -88,8 +141,10 @@ class Instance:
         self._layout = torch.as_tensor(rebalance(torch.ones(config.num_hidden_layers, config.n_routed_experts),
                                                  num_slots=holders * self.slots_per_rank,
                                                  num_ranks=holders).phy2log).tolist()
-        self._lock = threading.RLock()
-        self._owner: dict[str, tuple[int, int]] = {}  # request id -> (DP rank, gang generation)
+        self._lock = threading.RLock()  # the gang (generation, members); a restart holds it for seconds
+        self._streams: dict[str, _Stream] = {}  # request id -> its outputs' stream (DP rank, gang generation)
+        self._streams_lock = threading.Lock()  # held only to read or change `_streams`, never across a call
+        self._closed = False
         self._failures: dict[int, str] = {}  # gang generation -> why it failed
         self._ids = itertools.count()
         self.generation = -1
@@ -122,6 +177,9 @@ class Instance:
                         f"tcp://{host}:{port}", self._server.address, secret, self.timeout,
                         kv_name=f"{self.name}-{secret[:8]}" if self._kv else None)
         ray.get([m.setup.remote(spec) for m in self.members])
+        for rank in range(self.dep):
+            threading.Thread(target=self._pump, args=(self.generation, rank, self.members[rank]), daemon=True,
+                             name=f"{self.name}-g{self.generation}-pump{rank}").start()
 
     def _actor(self, i: int):
         cls = DPRank if i < self.dep else ExpertRank
@@ -135,8 +193,8 @@ class Instance:
         return f"DP rank {i}" if i < self.dep else f"expert rank {i}"
 
     def _fail(self, generation: int, cause: BaseException) -> str:
-        """Record why gang `generation` failed (naming the members at fault) and restart it, once;
-        returns the reason."""
+        """Record why gang `generation` failed (naming the members at fault) and restart it, once
+        however many threads find it failed; returns the reason."""
         with self._lock:
             if generation == self.generation:
                 self._failures[generation] = self._diagnose(cause)
@@ -191,28 +249,37 @@ class Instance:
         return request_id, self._on_rank(rank, request_id, "reserve", prompt, asdict(params))
 
     def _on_rank(self, rank: int | None, request_id: str, method: str, *args, own: bool = True):
-        """Call `method(request_id, *args)` on a DP rank, waking the whole gang; `own`: stream the
-        request from here (count it in the rank's load)."""
-        with self._lock:
-            for attempt in (0, 1):
-                if rank is None:
-                    loads = [0] * self.dep
-                    for r, gen in self._owner.values():
-                        loads[r] += gen == self.generation
-                    rank = loads.index(min(loads))
-                target = self.members[rank]
-                try:  # every member must resume stepping with it
-                    result, *_ = ray.get([getattr(target, method).remote(request_id, *args)] +
-                                         [m.wake.remote() for m in self.members if m is not target])
-                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                    reason = self._fail(self.generation, e)
-                    if attempt:
-                        raise InstanceError(f"{reason}; a fresh gang failed too, check the members' logs") from None
-                    continue
-                if own:
-                    self._owner[request_id] = (rank, self.generation)
-                return result
+        """Call `method(request_id, *args)` on DP rank `rank` (default: the least loaded), waking the
+        whole gang; `own`: stream the request from here (it counts in the rank's load). The lock is
+        held only to choose: the call waits for the rank's next step boundary (a reservation), and
+        concurrent submits must reach the rank in the same step, not one per step."""
+        for attempt in (0, 1):
+            with self._lock:
+                generation, members = self.generation, self.members
+                at = self._least_loaded() if rank is None else rank
+                if own:  # counted before the call, so that concurrent submits spread over the ranks
+                    with self._streams_lock:
+                        self._streams[request_id] = _Stream(at, generation)
+            target = members[at]
+            try:  # every member must resume stepping with it
+                result, *_ = ray.get([getattr(target, method).remote(request_id, *args)] +
+                                     [m.wake.remote() for m in members if m is not target])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                self._forget(request_id)
+                reason = self._fail(generation, e)
+                if attempt:
+                    raise InstanceError(f"{reason}; a fresh gang failed too, check the members' logs") from None
+                continue
+            return result
         raise AssertionError("unreachable")
+
+    def _least_loaded(self) -> int:
+        """The DP rank streaming the fewest requests of the current gang (call under `_lock`)."""
+        loads = [0] * self.dep
+        with self._streams_lock:
+            for stream in self._streams.values():
+                loads[stream.rank] += stream.generation == self.generation
+        return loads.index(min(loads))
 
     def kv_metadata(self) -> list[bytes]:
         """The NIXL agent metadata of every DP rank (an instance made with `kv=True`)."""
@@ -226,53 +293,65 @@ class Instance:
     def stream(self, request_id: str) -> Iterator[dict]:
         """The request's outputs as they come: dicts with new_text, new_token_ids, finished, …;
         raises `InstanceError` if the gang fails under it."""
-        member, generation = self._watch(request_id)
+        outputs = self._stream_of(request_id)
         try:
             while True:
-                try:
-                    outs = ray.get(self._poll(request_id, member, generation))
-                except _FAILURES as e:
-                    raise self._lost(request_id, generation, e) from None
+                outs = outputs.take()
                 yield from outs
-                if outs and outs[-1]["finished"]:
+                if outs[-1]["finished"]:
                     return
         finally:
             self._forget(request_id)
 
     async def astream(self, request_id: str) -> AsyncIterator[dict]:
-        """`stream` for asyncio callers (an HTTP server): polls without blocking the event loop."""
-        member, generation = self._watch(request_id)
+        """`stream` for asyncio callers (an HTTP server): awaits outputs without blocking the event loop."""
+        outputs = self._stream_of(request_id)
         try:
             while True:
-                try:
-                    outs = await self._poll(request_id, member, generation)
-                except _FAILURES as e:  # a restart takes seconds: not on the event loop
-                    raise await asyncio.to_thread(self._lost, request_id, generation, e) from None
+                outs = await outputs.atake()
                 for out in outs:
                     yield out
-                if outs and outs[-1]["finished"]:
+                if outs[-1]["finished"]:
                     return
         finally:
             self._forget(request_id)
 
-    def _watch(self, request_id: str):
-        with self._lock:
-            rank, generation = self._owner[request_id]
-            return self.members[rank], generation
+    def _stream_of(self, request_id: str) -> _Stream:
+        with self._streams_lock:
+            return self._streams[request_id]
 
-    def _poll(self, request_id: str, member, generation: int) -> ray.ObjectRef:
-        if generation != self.generation:  # the gang failed under another request
-            raise InstanceError(self._failures[generation])
-        return member.poll.remote(request_id)
+    def _forget(self, request_id: str) -> _Stream | None:
+        with self._streams_lock:
+            return self._streams.pop(request_id, None)
 
-    def _lost(self, request_id: str, generation: int, cause: BaseException) -> InstanceError:
-        reason = self._fail(generation, cause)
-        return InstanceError(f"request {request_id} was lost: {reason}. The instance restarted its gang; "
-                             "resubmit the request")
+    def _pump(self, generation: int, rank: int, member) -> None:
+        """The output pump of DP rank `rank` of gang `generation`: long-polls the rank and puts each
+        request's outputs into its stream, until the gang fails (it then ends the streams of the
+        rank's requests with the reason, after the restart) or the instance shuts down."""
+        while True:
+            try:
+                ready = ray.get(member.poll_all.remote(POLL_TIMEOUT_S))
+            except ray.exceptions.RayError as e:  # the rank or its gang failed, or the instance was shut down
+                if not self._closed:
+                    why = f"{self.shape} instance {self.name!r} failed and did not restart; check the members' logs"
+                    try:
+                        why = f"{self._fail(generation, e)}. The instance restarted its gang; resubmit the request"
+                    finally:  # whatever the restart did, no reader waits forever
+                        self._end_streams(generation, rank, why)
+                return
+            with self._streams_lock:
+                for request_id, outs in ready.items():
+                    stream = self._streams.get(request_id)
+                    if stream is not None and stream.generation == generation:
+                        stream.put(outs)
 
-    def _forget(self, request_id: str) -> None:
-        with self._lock:
-            self._owner.pop(request_id, None)
+    def _end_streams(self, generation: int, rank: int | None, why: str) -> None:
+        """End the streams of gang `generation`'s requests on DP rank `rank` (None: every rank) with
+        an `InstanceError` saying `why`."""
+        with self._streams_lock:
+            for request_id, stream in self._streams.items():
+                if stream.generation == generation and rank in (None, stream.rank):
+                    stream.put([InstanceError(f"request {request_id} was lost: {why}")])
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[dict]:
         """Run prompts to completion across the ranks: per prompt, its token ids, text and finish
@@ -291,8 +370,10 @@ class Instance:
     def abort(self, request_id: str, rank: int | None = None) -> None:
         """Stop a request and free its state (a request of a failed gang is already gone). `rank`:
         where a request not streamed from here runs (a pushed prefill)."""
+        stream = self._forget(request_id)
         with self._lock:
-            rank, generation = self._owner.pop(request_id, (rank, self.generation if rank is not None else None))
+            rank, generation = ((stream.rank, stream.generation) if stream is not None
+                                else (rank, self.generation if rank is not None else None))
             if generation == self.generation:
                 try:
                     ray.get(self.members[rank].abort.remote(request_id))
@@ -319,11 +400,14 @@ class Instance:
         return ray.get([m.ping.remote() for m in self.members])
 
     def shutdown(self) -> None:
-        """Stop every member (one that already died is skipped) and release them."""
+        """Stop every member (one that already died is skipped) and release them; a stream still
+        open ends with an `InstanceError`."""
         with self._lock:
+            self._closed = True  # first: the output pumps then end with their members, restarting nothing
             for member in self.members:
                 try:
                     ray.get(member.shutdown.remote())
                 except ray.exceptions.RayActorError:
                     pass
             self._kill()
+            self._end_streams(self.generation, None, f"{self.shape} instance {self.name!r} was shut down")
