@@ -33,7 +33,7 @@ def run_requests(model, chunks: list[list[int]]) -> torch.Tensor:
 def sharded_model(checkpoint: str):
     """The tiny model with this rank's expert slots of a skewed layout (in a process group already)."""
     model = load_model(checkpoint)
-    layers = model.model.layers
+    layers = model.moe_layers + model.mtp_moe_layers  # one layout row per MoE layer, the MTP layer's last
     load = torch.rand(len(layers), model.config.n_routed_experts, generator=torch.Generator().manual_seed(5)) ** 3
     layout = rebalance(load, num_slots=WORLD * SLOTS_PER_RANK, num_ranks=WORLD)
     model.shard_experts(ExpertParallel(SLOTS_PER_RANK), torch.as_tensor(layout.phy2log))

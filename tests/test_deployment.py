@@ -86,10 +86,11 @@ def test_a_dead_kv_store_and_a_dead_prefill_rank_cost_only_recomputation(deploym
     assert deployment.dead_stores == {0}
 
     before = totals(deployment, "decode").get("kv_recomputed", 0)
-    request = deployment.submit(prompt(30, seed=90), greedy)
+    # a prompt of 10 prefill steps (96-token budget): the rank dies long before it could push
+    request = deployment.submit(prompt(900, seed=90), greedy)
     ray.kill(deployment.prefill[0].members[0])  # its push never comes: the reservation expires
     tokens = [t for out in deployment.stream(request) for t in out["new_token_ids"]]
-    assert tokens == single(tiny_checkpoint, [prompt(30, seed=90)], greedy)[0]
+    assert tokens == single(tiny_checkpoint, [prompt(900, seed=90)], greedy)[0]
     assert totals(deployment, "decode")["kv_recomputed"] == before + 1
     [again] = deployment.generate([prompt(25, seed=91)], greedy)  # the prefill instance restarts
     assert again["token_ids"] == single(tiny_checkpoint, [prompt(25, seed=91)], greedy)[0]

@@ -47,6 +47,26 @@ class _Route:
     decode_tokens: int  # state the decode rank holds (prompt + max output), for its load
 
 
+def _role_engine_kwargs(common: dict, prefill: dict | None, decode: dict | None) -> tuple[dict, dict]:
+    """The `EngineConfig` fields of prefill and decode ranks: `common` with each role's on top.
+
+    Speculative decoding (`speculative_tokens` > 0) adds the MTP layer and its paired streams to
+    the state a prefill rank pushes to a decode rank, so both sides must agree on whether it is on.
+    Set on the decode side alone, the prefill side keeps the MTP layer's state as well (decode
+    drafts from it) and drafts the least it can, one token (its drafts are not sent); set on the
+    prefill side alone, it is refused, saying where it belongs."""
+    prefill, decode = {**common, **(prefill or {})}, {**common, **(decode or {})}
+    k_prefill, k_decode = prefill.get("speculative_tokens", 0), decode.get("speculative_tokens", 0)
+    if k_decode and "speculative_tokens" not in prefill:
+        prefill["speculative_tokens"] = 1
+    elif bool(k_prefill) != bool(k_decode):
+        raise ConfigError(
+            f"speculative_tokens is {k_prefill} for prefill but {k_decode} for decode: with speculation the state "
+            "pushed from prefill to decode carries the MTP layer, so both sides must have it on or off; set "
+            "speculative_tokens in decode_engine_kwargs (or engine_kwargs) only, and prefill follows")
+    return prefill, decode
+
+
 class Deployment:
     def __init__(self, model: str | Path = "tiny", prefill: str = "1xDEP1", decode: str = "1xDEP2",
                  kv_stores: int = 1, engine_kwargs: dict | None = None, store_memory_mb: float = 256.0,
@@ -70,15 +90,17 @@ class Deployment:
         self.tokenizer = Tokenizer(self.path) if (Path(self.path) / "tokenizer.json").is_file() else None
         engine_kwargs = dict(engine_kwargs or {})
         tag = secrets.token_hex(3)
-        role_kwargs = {"prefill": {"engine_kwargs": {**engine_kwargs, **(prefill_engine_kwargs or {})}},
-                       "decode": {"engine_kwargs": {**engine_kwargs, **(decode_engine_kwargs or {})},
-                                  "redundant_slots": decode_redundant_slots}}
+        prefill_kwargs, decode_kwargs = _role_engine_kwargs(engine_kwargs, prefill_engine_kwargs, decode_engine_kwargs)
+        # the stores hold the state layout the ranks write (with the MTP layer when decode speculates)
+        store_kwargs = {**engine_kwargs, "speculative_tokens": prefill_kwargs.get("speculative_tokens", 0)}
+        role_kwargs = {"prefill": {"engine_kwargs": prefill_kwargs},
+                       "decode": {"engine_kwargs": decode_kwargs, "redundant_slots": decode_redundant_slots}}
         common = {"timeout": timeout, "kv": True}
 
         def new_store(i: int, options: dict):
             options = {"num_cpus": 0, "max_concurrency": 8, **options}
             return ray.remote(KVStore).options(**options).remote(self.path, store_memory_mb,
-                                                                 engine_kwargs=engine_kwargs, name=f"kvstore{i}-{tag}")
+                                                                 engine_kwargs=store_kwargs, name=f"kvstore{i}-{tag}")
 
         if plan is None:
             self.decode, self.prefill = ([Instance(self.path, dep=g.size, expert_ranks=g.expert_ranks,

@@ -11,7 +11,8 @@ class ExpertRank(GangMember):
 
     def setup(self, spec: GangSpec) -> None:
         model, config = self._join(spec)
-        self.worker = ExpertWorker(model.moe_layers, self.gang, config)  # attention weights are dropped
+        # attention weights are dropped
+        self.worker = ExpertWorker(model.moe_layers, self.gang, config, model.draft_moe_layers)
         self._start()
 
     def _stats(self) -> dict:

@@ -32,7 +32,8 @@ from rackserve.transfer.ep import ExpertParallel
 class GangSpec:
     """Everything a member needs to join its gang; the same for every member.
 
-    phy2log: `[num_layers][num_slots]` the logical expert of every physical slot; expert_ranks:
+    phy2log: `[num_layers][num_slots]` the logical expert of every physical slot, a row per MoE
+    layer (main layers, then MTP layers; see `DeepseekV4ForCausalLM.shard_experts`); expert_ranks:
     (first, stop) the gang ranks holding slots, `slots_per_rank` each; timeout (s): how long a
     peer may stay silent before a member gives up on the gang; kv_name: when set, DP ranks get a
     NIXL agent named `<kv_name>-r<rank>` for disaggregated prefill/decode.

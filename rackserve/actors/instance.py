@@ -138,7 +138,8 @@ class Instance:
         self.name, self.timeout = name, timeout
         self._engine_kwargs, self._actor_options = dict(engine_kwargs or {}), dict(actor_options or {})
         self._placement_group = placement_group
-        self._layout = torch.as_tensor(rebalance(torch.ones(config.num_hidden_layers, config.n_routed_experts),
+        num_moe_layers = config.num_hidden_layers + config.num_nextn_predict_layers  # the MTP layers' rows last
+        self._layout = torch.as_tensor(rebalance(torch.ones(num_moe_layers, config.n_routed_experts),
                                                  num_slots=holders * self.slots_per_rank,
                                                  num_ranks=holders).phy2log).tolist()
         self._lock = threading.RLock()  # the gang (generation, members); a restart holds it for seconds

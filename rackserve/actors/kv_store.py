@@ -25,12 +25,14 @@ class KVStore:
     def __init__(self, model: str = "tiny", memory_mb: float = 256.0, pool_mb: float = 64.0, inbox_mb: float = 4.0,
                  engine_kwargs: dict | None = None, name: str = "kvstore"):
         """`memory_mb` of cached prefixes; `pool_mb` of NIXL-registered memory for the writers'
-        inboxes (`inbox_mb` each) and pinned reads; `engine_kwargs`: the ranks' (for the block size)."""
+        inboxes (`inbox_mb` each) and pinned reads; `engine_kwargs`: the ranks' (for the state layout:
+        block size, and the MTP layer's state with speculative decoding)."""
         path = ensure_tiny() if str(model) == "tiny" else Path(model)
         config = ModelConfig.from_pretrained(path)
-        block = EngineConfig(**(engine_kwargs or {})).resolve(config).block_size
+        ranks = EngineConfig(**(engine_kwargs or {})).resolve(config)
         agent = KVAgent(f"{name}-{secrets.token_hex(4)}", int(pool_mb * 2**20))
-        self.store = PrefixStore(config, block, agent, memory_mb, int(inbox_mb * 2**20))
+        self.store = PrefixStore(config, ranks.block_size, agent, memory_mb, int(inbox_mb * 2**20),
+                                 mtp_layers=int(ranks.speculative_tokens > 0))
         self._lock = threading.Lock()
         self._busy_until = 0.0
         threading.Thread(target=self._poll_loop, daemon=True, name="kv-store-poll").start()

@@ -59,7 +59,8 @@ class Engine:
         if gang is not None:
             self.runner.dummy = self.cache.allocate()
             self.cache.reserve(self.runner.dummy, 1)
-            self.balancer = ExpertBalancer(model.moe_layers, gang, c.eplb_interval, c.eplb_min_gain)
+            self.balancer = ExpertBalancer(model.moe_layers, gang, c.eplb_interval, c.eplb_min_gain,
+                                           model.draft_moe_layers if self.speculator else [])
         self.gang_tokens = np.zeros(0, np.int64)  # tokens each gang member ran in the last step
         self.gang_busy = False  # whether some member waits on a transfer (the gang must keep stepping)
         self.kv = KVPort(kv, self.cache, c.kv_timeout_s) if kv is not None else None
@@ -147,17 +148,20 @@ class Engine:
         """Schedule, run, apply: one continuous-batching step.
 
         In a gang, a host sync between schedule and run (one all-reduce of a small int vector:
-        tokens per rank, forward passes) makes every rank run the same number of forwards, dummy
-        ones where it has no work, or all of them skip the step when no rank has work.
+        tokens per rank, forward passes, MTP draft forwards) makes every rank run the same number
+        of forwards of each kind, dummy ones where it has no work, or all of them skip the step
+        when no rank has work.
         """
         loaded = self._load_pushed() if self.kv is not None else []
         with phase("schedule"):
             out = self.scheduler.schedule()
             passes = self.runner.plan(out)
-        num_passes, busy = len(passes), self.kv is not None and self.kv.pending
+        num_passes, num_drafts = len(passes), self.runner.draft_forwards(out)
+        busy = self.kv is not None and self.kv.pending
         if self.gang is not None:
             with phase("host sync"):
-                self.gang_tokens, num_passes, self.gang_busy = sync(self.gang, out.num_tokens, num_passes, busy)
+                agreed = sync(self.gang, out.num_tokens, num_passes, num_drafts, busy)
+                self.gang_tokens, num_passes, num_drafts, self.gang_busy = agreed
                 busy = self.gang_busy
         if num_passes == 0:
             if self.kv is not None:
@@ -166,7 +170,7 @@ class Engine:
                 time.sleep(KV_POLL_S)  # nothing to compute until a transfer lands: yield the CPU
             return loaded
         with phase("forward other"):  # what attention, expert and sampling phases leave of the forward
-            result = self.runner.execute(out, passes, num_passes)
+            result = self.runner.execute(out, passes, num_passes, num_drafts)
         self.num_steps += 1
         with phase("update"):
             outputs = loaded + self.scheduler.update(out, result)

@@ -3,7 +3,8 @@
 With speculative decoding a decode chunk carries drafts: its forward runs them after the request's
 last token, sampling verifies them (`sampling.sample` with drafts), the rejected ones' state is
 given back (`rackserve.model.rollback`), and the MTP layer drafts the next ones
-(`rackserve.engine.speculative`).
+(`rackserve.engine.speculative`). In a gang, every pass runs the MTP layer once (a dummy token when
+there is nothing to follow), so its MoE exchanges line up with the peers'.
 
 A chunk that crosses a block boundary without ending on one is run in two passes, split at its
 last boundary, so the request's state passes through that boundary and the prefix cache can
@@ -51,11 +52,20 @@ class Runner:
                 passes[0].append((chunk, ids))
         return [p for p in passes if p]
 
-    def execute(self, out: SchedulerOutput, passes: list[Pass] | None = None, num_passes: int = 0) -> RunnerOutput:
-        """Run the step's passes (`plan(out)` unless given), then dummy forwards up to `num_passes`
-        (ranks of one instance must all run the same number of forwards, since every MoE layer
-        exchanges tokens). Each pass samples (and verifies drafts) for the chunks it finishes, so
-        their state is final before the prefix cache may snapshot it."""
+    def draft_forwards(self, out: SchedulerOutput) -> int:
+        """The MTP draft forwards `execute(out)` runs after its passes: the speculator's when some
+        chunk samples, else none."""
+        if self.speculator is None or not any(c.samples for c in out.chunks):
+            return 0
+        return self.speculator.draft_forwards
+
+    def execute(self, out: SchedulerOutput, passes: list[Pass] | None = None, num_passes: int = 0,
+                num_drafts: int = 0) -> RunnerOutput:
+        """Run the step's passes (`plan(out)` unless given), then dummy forwards up to `num_passes`,
+        drafting, then dummy MTP forwards up to `num_drafts` draft forwards (ranks of one instance
+        must all run the same sequence of forwards, since every MoE layer exchanges tokens). Each
+        pass samples (and verifies drafts) for the chunks it finishes, so their state is final
+        before the prefix cache may snapshot it."""
         passes = self.plan(out) if passes is None else passes
         sampled: dict[int, list[tuple[int, TokenLogprobs | None]]] = {}
         for part in passes:
@@ -69,6 +79,8 @@ class Runner:
             with phase("drafting"):
                 result.drafts = self.speculator.draft([c.request for c in chunks],
                                                       [[t for t, _ in sampled[id(c)]] for c in chunks])
+        for _ in range(self.draft_forwards(out), num_drafts):
+            self.speculator.dummy_forward(self._scratch())
         return result
 
     def _run(self, part: Pass, sampled: dict[int, list[tuple[int, TokenLogprobs | None]]]) -> None:
@@ -87,6 +99,8 @@ class Runner:
             if any(num_drafts) else None
         logits, streams = self.model(batch, self.cache.state, with_streams=True)
         follow = self.speculator.follow(requests, streams, speculative) if self.speculator is not None else None
+        if follow is None and self.speculator is not None and self.dummy is not None:
+            self.speculator.dummy_forward(self.dummy)  # a gang's passes all run the MTP layer once
 
         finishing = [i for i, (c, ids) in enumerate(part)
                      if c.samples and c.request.handle.num_tokens + len(ids) - num_drafts[i] == c.start + c.num_tokens]
@@ -116,11 +130,18 @@ class Runner:
             self.cache.commit(handle, chunk.request.token_ids + kept)
 
     def dummy_forward(self) -> None:
-        """One token through the model on the scratch request, which never advances: keeps an idle
-        DP rank's MoE exchanges in step with its busy peers."""
+        """One token through the model (and the MTP layer, as a real pass with speculation) on the
+        scratch request, which never advances: keeps an idle DP rank's MoE exchanges in step with
+        its busy peers."""
+        scratch = self._scratch()
+        self.model(ForwardBatch.build(self.cache.state, [(scratch, [0])]), self.cache.state)
+        if self.speculator is not None:
+            self.speculator.dummy_forward(scratch)
+
+    def _scratch(self) -> CacheHandle:
         if self.dummy is None:
-            raise RuntimeError("dummy forwards need a scratch request: set Runner.dummy (DPEngine does)")
-        self.model(ForwardBatch.build(self.cache.state, [(self.dummy, [0])]), self.cache.state)
+            raise RuntimeError("dummy forwards need a scratch request: set Runner.dummy (Engine does in a gang)")
+        return self.dummy
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
                 first_rows: list[int]) -> list[list[tuple[int, TokenLogprobs | None]]]:

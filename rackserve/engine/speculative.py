@@ -19,6 +19,11 @@ with (h_{M'-1}, the step's last token), then at M', … with its own output stre
 draft; each draft is the argmax (a one-hot draft distribution, which makes rejection sampling
 exact for sampled requests too). Those positions are all undone afterwards: the next step's
 `follow` writes them again from the main model's streams.
+
+In an expert-parallel gang the MTP layer's MoE exchanges tokens like a main layer's, so every DP
+rank runs it the same number of times per step: once per forward pass (a follow, or
+`dummy_forward` when a pass has nothing to follow) and `draft_forwards` times after the passes
+(the most of any rank, as agreed by the host sync; dummies where a rank has nothing to draft for).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 
 from rackserve.config import SLIDING
 from rackserve.engine.request import Request
-from rackserve.engine.state_cache import StateCache
+from rackserve.engine.state_cache import CacheHandle, StateCache
 from rackserve.kernels.attention import gather_rows
 from rackserve.model import DeepseekV4ForCausalLM, ForwardBatch, RequestState
 from rackserve.model.rollback import Rollback
@@ -115,6 +120,17 @@ class Speculator:
         for rollback in reversed(undo):
             rollback.undo(everything)
         return [list(d) for d in zip(*drafts)]
+
+    @property
+    def draft_forwards(self) -> int:
+        """MTP forwards one `draft` call runs (none when an oracle proposes the drafts)."""
+        return 0 if self.oracle is not None else self.k
+
+    def dummy_forward(self, scratch: CacheHandle) -> None:
+        """One token through the MTP layer on the scratch request `scratch`, which never advances: keeps
+        a DP rank's MoE exchanges in step with peers whose MTP layer runs (a follow or a draft)."""
+        batch = ForwardBatch.build(self.state, [(scratch, [0])], kinds=(SLIDING,))
+        self.model.mtp_streams(self.state.hidden.new_zeros(1, *self.state.hidden.shape[1:]), batch, self.state)
 
     def count(self, num_drafts: int, num_accepted: int) -> None:
         """Record one verification: `num_accepted` of its `num_drafts` (> 0) drafts were kept."""

@@ -57,14 +57,34 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self._rotary[name]
 
     def shard_experts(self, ep, phy2log: torch.Tensor) -> None:
-        """Expert parallel: keep only this rank's expert slots of every layer (see `MoE.shard`);
-        phy2log `[num_layers, num_slots]`."""
-        for layer, row in zip(self.model.layers, phy2log, strict=True):
-            layer.mlp.shard(ep, row)
+        """Expert parallel: keep only this rank's expert slots of every MoE layer (see `MoE.shard`).
+
+        phy2log `[num_layers, num_slots]`: a row per main layer, then one per MTP layer of the config
+        (`num_hidden_layers + num_nextn_predict_layers` rows); the MTP rows of a model whose
+        checkpoint had no MTP weights (`drop_mtp`) go unused."""
+        layers = self.moe_layers + self.mtp_moe_layers
+        expected = self.config.num_hidden_layers + len(self.mtp)
+        if len(phy2log) < expected:
+            raise ValueError(f"phy2log has {len(phy2log)} rows; this model has {expected} MoE layers "
+                             f"({self.config.num_hidden_layers} main + {len(self.mtp)} MTP), one row each")
+        for layer, row in zip(layers, phy2log):
+            layer.shard(ep, row)
 
     @property
     def moe_layers(self) -> list[MoE]:
+        """The main layers' MoE, in order (what EPLB balances as the target model)."""
         return [layer.mlp for layer in self.model.layers]
+
+    @property
+    def mtp_moe_layers(self) -> list[MoE]:
+        """The MTP layers' MoE, in order."""
+        return [block.mlp for block in self.mtp]
+
+    @property
+    def draft_moe_layers(self) -> list[MoE]:
+        """The MoE of the MTP layer that drafts (the first, which `mtp_streams` runs; none without MTP
+        layers): the draft model's experts, which EPLB balances on their own."""
+        return self.mtp_moe_layers[:1]
 
     def drop_mtp(self) -> None:
         """Forget the MTP layers (a checkpoint without `mtp.*` weights has none to draft with)."""
