@@ -97,6 +97,20 @@ def test_a_dead_kv_store_and_a_dead_prefill_rank_cost_only_recomputation(deploym
 
 
 @pytest.mark.slow
+def test_a_refused_request_fails_alone(deployment, tiny_checkpoint):
+    """A request the decode rank refuses (a prompt beyond max_model_len) raises the rank's reason to
+    its caller; the gang is not restarted, and a request in flight goes on to its end."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    running = deployment.submit(prompt(20, seed=95), greedy)
+    generation = deployment.decode[0].generation
+    with pytest.raises(ValueError, match="max_model_len"):
+        deployment.submit(prompt(5000, seed=96), greedy)
+    assert deployment.decode[0].generation == generation
+    tokens = [t for out in deployment.stream(running) for t in out["new_token_ids"]]
+    assert tokens == single(tiny_checkpoint, [prompt(20, seed=95)], greedy)[0]
+
+
+@pytest.mark.slow
 def test_concurrent_submits_reach_the_decode_ranks_within_a_few_steps(deployment, tiny_checkpoint):
     """24 requests submitted at once from threads (as the HTTP ingress submits) while both decode
     ranks decode, so that every gang step runs a forward: all 24 reservations are made within a few

@@ -267,6 +267,8 @@ class Instance:
                                      [m.wake.remote() for m in members if m is not target])
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                 self._forget(request_id)
+                if isinstance(getattr(e, "cause", None), ValueError):
+                    raise e.cause from None  # the rank refused this request (e.g. too long): not the gang's fault
                 reason = self._fail(generation, e)
                 if attempt:
                     raise InstanceError(f"{reason}; a fresh gang failed too, check the members' logs") from None
