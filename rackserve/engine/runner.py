@@ -15,6 +15,8 @@ chunks go entirely into the first pass.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from rackserve.engine.request import TokenLogprobs
@@ -89,12 +91,9 @@ class Runner:
         requests = [(c.request.handle, ids) for c, ids in part]
         num_drafts = [len(c.draft_ids) for c, _ in part]
         batch = ForwardBatch.build(self.cache.state, requests, num_logits=[1 + n for n in num_drafts])
-        lens = torch.tensor([len(ids) for _, ids in part])
-        ends = torch.cumsum(lens, 0)
-        drafts = torch.tensor(num_drafts)
-        row_req = torch.repeat_interleave(torch.arange(len(part)), lens)
-        # a draft is a token within the last num_drafts rows of its request
-        speculative = (torch.arange(int(ends[-1])) >= (ends - drafts)[row_req]).to(self.device)
+        lens = [len(ids) for _, ids in part]
+        # without a speculator there are no drafts, and none of this bookkeeping is needed
+        speculative = self._last_rows(lens, num_drafts) if self.speculator is not None else None
         rollback = Rollback(self.cache.state, batch, speculative, range(self.model.config.num_hidden_layers)) \
             if any(num_drafts) else None
         logits, streams = self.model(batch, self.cache.state, with_streams=True)
@@ -104,7 +103,7 @@ class Runner:
 
         finishing = [i for i, (c, ids) in enumerate(part)
                      if c.samples and c.request.handle.num_tokens + len(ids) - num_drafts[i] == c.start + c.num_tokens]
-        first_row = [0, *torch.cumsum(torch.tensor([1 + n for n in num_drafts]), 0).tolist()]
+        first_row = [0, *itertools.accumulate(1 + n for n in num_drafts)]
         with phase("sampling"):
             verdicts = self._sample([part[i][0] for i in finishing], logits, [first_row[i] for i in finishing])
         accepted = [0] * len(part)
@@ -113,21 +112,30 @@ class Runner:
             accepted[i] = len(tokens) - 1
             if num_drafts[i] and self.speculator is not None:
                 self.speculator.count(num_drafts[i], accepted[i])
-        rejected_count = torch.tensor([n - a for n, a in zip(num_drafts, accepted)])
+        rejected_count = [n - a for n, a in zip(num_drafts, accepted)]
         if rollback is not None:
-            rejected = (torch.arange(int(ends[-1])) >= (ends - rejected_count)[row_req]).to(self.device)
+            rejected = self._last_rows(lens, rejected_count)
             rollback.undo(rejected)
             if follow is not None:
                 follow.undo(rejected)
         if self.cache.state.hidden is not None:  # the MTP layer pairs the next token with the last kept streams
             slots = torch.tensor([h.slot for h, _ in requests], device=self.device)
-            self.cache.state.hidden.index_copy_(0, slots, streams.index_select(0, (ends - 1 - rejected_count).to(
-                self.device)))
+            ends = itertools.accumulate(lens)
+            kept_last = torch.tensor([end - 1 - r for end, r in zip(ends, rejected_count)], device=self.device)
+            self.cache.state.hidden.index_copy_(0, slots, streams.index_select(0, kept_last))
         for i, (chunk, ids) in enumerate(part):
             handle = chunk.request.handle
             handle.num_tokens += len(ids) - num_drafts[i] + accepted[i]
             kept = [t for t, _ in sampled[id(chunk)][:-1]] if accepted[i] else []
             self.cache.commit(handle, chunk.request.token_ids + kept)
+
+    def _last_rows(self, lens: list[int], counts: list[int]) -> torch.Tensor:
+        """Bool `[sum(lens)]` on the device: the last `counts[i]` of request i's `lens[i]` token rows
+        (its drafts, or its rejected drafts)."""
+        lens_t = torch.tensor(lens)
+        ends = torch.cumsum(lens_t, 0)
+        row_req = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+        return (torch.arange(int(ends[-1])) >= (ends - torch.tensor(counts))[row_req]).to(self.device)
 
     def dummy_forward(self) -> None:
         """One token through the model (and the MTP layer, as a real pass with speculation) on the
