@@ -167,11 +167,17 @@ class ModelShape:
         return cls(c, gemms, layers, Gemm(3 * d * inter, d, d), Gemm(c.vocab_size * d, d, c.vocab_size))
 
     @property
+    def dense_params(self) -> int:
+        """Every weight but the routed experts, norms and biases (embedding counted as lm_head's size):
+        what each rank of a DEP instance holds whole."""
+        layers = sum(n * sum(m.params for m in self.gemms[k]) for k, n in self.layers.items())
+        return layers + 2 * self.lm_head.params
+
+    @property
     def num_params(self) -> int:
         """Every weight of the model but the norms and biases (embedding counted as lm_head's size)."""
         c = self.config
-        dense = sum(n * sum(m.params for m in self.gemms[k]) for k, n in self.layers.items())
-        return dense + c.num_hidden_layers * c.n_routed_experts * self.expert.params + 2 * self.lm_head.params
+        return self.dense_params + c.num_hidden_layers * c.n_routed_experts * self.expert.params
 
 
 @dataclass(frozen=True)

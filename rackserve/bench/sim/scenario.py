@@ -106,9 +106,8 @@ def state_budget(shape: ModelShape, hw: Hardware, dep: int, precision: Precision
     workspace, capped at what `max_num_seqs` requests of `max_model_len` tokens (+ as many prefix
     snapshots) can use, so the simulated cache's page lists stay small."""
     c, e = shape.config, engine.resolve(shape.config)
-    dense = sum(n * sum(g.params for g in shape.gemms[k]) for k, n in shape.layers.items()) + 2 * shape.lm_head.params
     routed = c.num_hidden_layers * c.n_routed_experts * shape.expert.params / dep
-    free = (hw.hbm_bytes - dense * WEIGHT_BYTES[precision.dense] - routed * WEIGHT_BYTES[precision.experts]
+    free = (hw.hbm_bytes - shape.dense_params * WEIGHT_BYTES[precision.dense] - routed * WEIGHT_BYTES[precision.experts]
             - WORKSPACE_BYTES)
     probe = ModelState(c, 1, 1, e.block_size, STATE_DTYPES[precision.state_bytes], device="meta")
     need = e.max_num_seqs * (2 * probe.slot_bytes + probe.pages_for(e.max_model_len) * probe.page_bytes)
