@@ -152,6 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from rackserve.actors.cluster import WORKER_ENV
     from rackserve.serve import ingress
     from rackserve.serve.app import build
     from rackserve.serve.config import ServeConfig
@@ -162,8 +163,10 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("model", args.model), ("host", args.host), ("port", args.port),
                                    ("api_key", args.api_key), ("ingress", kind)) if v is not None}
     config = ServeConfig.from_dict({**config.to_dict(), **overrides})
-    if args.address is None and config.ingress == "direct":
-        os.environ.update(ingress.direct_ingress_env(config.port))
+    if args.address is None:  # the cluster ray.init starts below inherits these
+        os.environ.update(WORKER_ENV)
+        if config.ingress == "direct":
+            os.environ.update(ingress.direct_ingress_env(config.port, load_balanced=False))
     ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
     url = ingress.start(config)
     print(f"starting the {config.prefill} prefill + {config.decode} decode deployment of {config.model_name!r} ...",

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 from collections.abc import Sequence
 
 import pytest
-import torch
+
+# One intra-op thread here and in the processes the tests start (before torch loads OpenMP, which
+# reads it once): the tiny model's ops gain nothing from a second thread (the model tests took 24 s
+# with one, 25 s with two), and on a loaded machine OpenMP threads spinning at their barriers
+# against other processes made them 13-25x slower. Ray's workers get one thread already.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run under the interpreter, which triton picks once, when it is
@@ -72,6 +79,39 @@ def step(model, cache: StateCache, requests: Sequence[tuple[CacheHandle, Sequenc
     return logits
 
 
+@functools.cache
+def _model_of(checkpoint: str):
+    return load_model(checkpoint)
+
+
+def assert_same_tokens(checkpoint, prompts: Sequence[Sequence[int]], got: Sequence[Sequence[int]],
+                       want: Sequence[Sequence[int]], params, tol: float = 1e-4) -> None:
+    """The token ids of the same requests from two differently shaped runs (other batches, ranks,
+    drafts, transfers) agree: equal, or for a greedy request that parts from `want`, a near-tie.
+
+    Floats of differently shaped computations differ in the last bits (CPUs and kernels sum in
+    other orders), so a greedy choice between two logits closer than that may go either way. A
+    greedy `got` that differs is checked by teacher forcing instead: the single-process model run
+    once over prompt + got must rank each token of got within `tol` of its best logit; a real
+    difference cannot hide. Sampled requests must be equal. `params`: one SamplingParams or one
+    per request.
+    """
+    per_request = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    for i, (ids, g, w, p) in enumerate(zip(prompts, got, want, per_request, strict=True)):
+        g, w = list(g), list(w)
+        if g == w:
+            continue
+        assert p.temperature == 0 and len(g) == len(w), f"request {i}: {g} != {w}"
+        model = _model_of(str(checkpoint))
+        cache = new_state(model, slots=1, budget_mb=64)
+        handle = cache.allocate()
+        logits = step(model, cache, [(handle, list(ids) + g[:-1])], all_logits=True)[len(ids) - 1:]
+        for j, token in enumerate(g):
+            gap = float(logits[j].max() - logits[j, token])
+            assert gap <= tol, (f"request {i}, output token {j}: {token} is {gap:.2e} below the single-process "
+                                f"model's best ({int(logits[j].argmax())}); got {g}, want {w}")
+
+
 def prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -107,14 +147,16 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    from rackserve.actors.cluster import WORKER_ENV
     from rackserve.serve.ingress import direct_ingress_env
 
     node = {"num_cpus": 1, "num_gpus": GPUS_PER_TRAY, "object_store_memory": 80 << 20}
     labels = [{"rackserve.io/rack": f"rack{r}", "rackserve.io/tray": f"tray{t}"}
               for r in range(RACKS) for t in range(TRAYS)]
     direct_port, saved = free_ports(2), dict(os.environ)
-    # the nodes' processes inherit it, this one need not; two apps (test_serve runs a second one)
-    os.environ.update(direct_ingress_env(direct_port, apps=2))
+    # the nodes' processes inherit these, this one need not: workers at normal priority (a loaded
+    # machine starves Ray's default nice 15), direct ingress for two apps (test_serve runs a second)
+    os.environ.update({**WORKER_ENV, **direct_ingress_env(direct_port, apps=2, load_balanced=False)})
     try:
         cluster = Cluster(initialize_head=True, head_node_args={**node, "labels": labels[0]})
         for lab in labels[1:]:

@@ -235,25 +235,29 @@ def test_thousands_of_random_calls():
 
 
 def test_killed_member_is_named_by_everyone_within_the_timeout():
-    timeout, victim = 2.0, 1
+    # a long timeout: a death must be seen at once (a closed connection), in well under half of it
+    # even on a loaded machine, not when the timeout runs out (the test would then take 20 s)
+    timeout, victim = 20.0, 1
     reports = run_group("kill", 6, timeout=timeout, victim=victim, at=20, calls=200)
     assert victim not in reports  # it died before printing
     for rank, r in reports.items():
         assert r["ranks"] == [victim], (rank, r)
         assert f"rank {victim}" in r["error"] and r["call"] == 20
-        assert r["elapsed"] < timeout, r  # a death is seen at once, not after the timeout
+        assert r["elapsed"] < timeout / 2, r
         assert "failed earlier and cannot be reused" in r["reuse"]
 
 
 def test_stalled_member_is_named_by_everyone_within_the_timeout():
-    timeout, victim = 2.0, 3
-    reports = run_group("stall", 4, timeout=timeout, victim=victim, at=5, stall_s=3.5, calls=50)
+    # the others give up when their timeout runs out: not before it, and well before the stalled
+    # member comes back (stall_s), with seconds of margin for a loaded machine's scheduling
+    timeout, victim, stall_s = 2.0, 3, 5.0
+    reports = run_group("stall", 4, timeout=timeout, victim=victim, at=5, stall_s=stall_s, calls=50)
     for rank, r in reports.items():
         if rank == victim:
             continue
         assert r["ranks"] == [victim] and r["call"] == 5, (rank, r)
         assert f"rank {victim} did not answer in time" in r["error"]
-        assert timeout <= r["elapsed"] < timeout * 1.5, r
+        assert timeout <= r["elapsed"] < stall_s - 0.5, r
 
 
 @pytest.mark.parametrize("variant, expected", [
@@ -262,7 +266,8 @@ def test_stalled_member_is_named_by_everyone_within_the_timeout():
     ("skip", "rank 2 sent allgather #4 while rank 3 expected allreduce.sum #4"),
 ])
 def test_mismatched_calls_raise_a_clear_error(variant, expected):
-    reports = run_group("mismatch", 4, timeout=2.0, odd=2, at=3, calls=10, variant=variant)
+    # a mismatch is seen at once, from the frames; the long timeout only guards against a hang
+    reports = run_group("mismatch", 4, timeout=20.0, odd=2, at=3, calls=10, variant=variant)
     assert sorted(reports) == [0, 1, 2, 3]
     assert all(r["error"] and r["call"] == 3 for r in reports.values()), reports
     assert reports[3]["ranks"] == [2, 3]  # the pair that disagrees; which one is wrong is unknowable

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import free_port, new_state, prompt, step
+from conftest import assert_same_tokens, free_port, new_state, prompt, step
 from rackserve.model import load_model
 from rackserve.placement import rebalance
 from rackserve.transfer.ep import ExpertParallel
@@ -145,6 +145,7 @@ def test_dep2_engines_in_lockstep_equal_the_single_process_engine(tiny_checkpoin
         assert rebalances == moved == 0
     single = LLM(tiny_checkpoint)
     for rank, work in ENGINE_WORK.items():
-        want = single.generate([prompt(n, seed=s) for n, s, _ in work],
-                               [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, _, m in work])
-        assert got[rank][0] == [c.token_ids for c in want]
+        prompts = [prompt(n, seed=s) for n, s, _ in work]
+        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, _, m in work]
+        want = [c.token_ids for c in single.generate(prompts, params)]
+        assert_same_tokens(tiny_checkpoint, prompts, got[rank][0], want, params)

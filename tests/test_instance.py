@@ -8,6 +8,7 @@ at creation."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import time
@@ -15,7 +16,7 @@ import time
 import pytest
 import ray
 
-from conftest import prompt
+from conftest import assert_same_tokens, prompt
 from rackserve.actors.instance import Instance, InstanceError
 from rackserve.config import ConfigError
 from rackserve.engine import LLM, SamplingParams
@@ -26,6 +27,7 @@ from rackserve.placement.ray_groups import placement_groups, remove, topology_fr
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64}
 FIRST, LATER = [(5, 50), (33, 51), (70, 52)], [(12, 53), (41, 54), (20, 55)]  # (prompt length, seed)
+RESTART_S = 25.0  # a gang restart of the tiny model: about 5 s unloaded
 
 
 @pytest.fixture(scope="session")
@@ -46,8 +48,17 @@ def run_staggered(inst: Instance) -> list[list[int]]:
     return outs
 
 
+STAGGERED = [prompt(n, seed=s) for n, s in FIRST + LATER]
+
+
+@functools.cache
 def single_process(checkpoint) -> list[list[int]]:
-    return [c.token_ids for c in LLM(checkpoint).generate([prompt(n, seed=s) for n, s in FIRST + LATER], GREEDY)]
+    return [c.token_ids for c in LLM(checkpoint).generate(STAGGERED, GREEDY)]
+
+
+def assert_like_single_process(checkpoint, got: list[list[int]], which: slice = slice(None)) -> None:
+    """`got` (the outputs of STAGGERED[which]) are the single-process engine's, up to near-ties."""
+    assert_same_tokens(checkpoint, STAGGERED[which], got, single_process(checkpoint)[which], GREEDY)
 
 
 def assert_eplb_rebalanced(stats: dict, min_rise: float) -> None:
@@ -64,7 +75,7 @@ def assert_eplb_rebalanced(stats: dict, min_rise: float) -> None:
 def test_dep2_instance(ray_cluster, tiny_checkpoint):
     inst = Instance(tiny_checkpoint, dep=2, redundant_slots=2, engine_kwargs=ENGINE)
     try:
-        assert run_staggered(inst) == single_process(tiny_checkpoint)
+        assert_like_single_process(tiny_checkpoint, run_staggered(inst))
         assert all(s["steps"] > 0 for s in inst.stats()["members"])  # both stepped (one with dummies at times)
 
         before = [p["cpu_s"] for p in inst.ping()]
@@ -74,8 +85,8 @@ def test_dep2_instance(ray_cluster, tiny_checkpoint):
         assert [s["steps"] for s in inst.stats()["members"]] == steps  # idle: the gang sleeps...
         assert max(idle) < 0.2, idle  # ...and does not spin (CPU seconds over 2 s idle)
 
-        [again] = inst.generate([prompt(70, seed=52)], GREEDY)  # woken by new work
-        assert again["token_ids"] == single_process(tiny_checkpoint)[2]
+        [again] = inst.generate([STAGGERED[2]], GREEDY)  # woken by new work
+        assert_like_single_process(tiny_checkpoint, [again["token_ids"]], slice(2, 3))
 
         [bad] = inst.generate([prompt(9000, seed=1)], GREEDY)  # refused, the others keep going
         assert "max_model_len" in bad["finish_reason"]
@@ -87,7 +98,7 @@ def test_dep2_instance(ray_cluster, tiny_checkpoint):
 def test_dep4_with_eplb_on_skewed_load_equals_the_single_process_engine(ray_cluster, hot_checkpoint):
     inst = Instance(hot_checkpoint, dep=4, redundant_slots=4, engine_kwargs={**ENGINE, "eplb_interval": 4})
     try:
-        assert run_staggered(inst) == single_process(hot_checkpoint)
+        assert_like_single_process(hot_checkpoint, run_staggered(inst))
         assert_eplb_rebalanced(inst.stats(), min_rise=0.05)
     finally:
         inst.shutdown()
@@ -103,13 +114,14 @@ def test_split_instance_from_a_plan(ray_cluster, hot_checkpoint):
     groups = placement_groups(p, name_prefix="test-split")
     try:
         wait_ready(groups, timeout_s=60)
-        inst = Instance.from_plan(planned, groups[planned.name], hot_checkpoint, timeout=5.0,
+        # the default timeout (30 s): the killed expert rank must be seen at once, not by a timeout
+        inst = Instance.from_plan(planned, groups[planned.name], hot_checkpoint,
                                   engine_kwargs={**ENGINE, "eplb_interval": 4})
         try:
             where = [(m["labels"]["rackserve.io/rack"], m["labels"]["rackserve.io/tray"]) for m in inst.ping()]
             assert where == [(g.rack, g.tray) for g in planned.all_gpus]
             assert [m["role"] for m in inst.ping()] == ["DP rank"] * 2 + ["expert rank"] * 2
-            assert run_staggered(inst) == single_process(hot_checkpoint)
+            assert_like_single_process(hot_checkpoint, run_staggered(inst))
             stats = inst.stats()
             assert_eplb_rebalanced(stats, min_rise=0.0)
             assert all(m["steps"] == stats["members"][0]["steps"] for m in stats["members"])  # lockstep
@@ -148,7 +160,9 @@ def test_many_concurrent_streams_each_arrive_token_by_token(ray_cluster, tiny_ch
 
 @pytest.mark.slow
 def test_a_dead_or_frozen_dp_rank_fails_in_flight_requests_and_the_gang_restarts(ray_cluster, tiny_checkpoint):
-    inst = Instance(tiny_checkpoint, dep=2, timeout=5.0)
+    # the frozen member is found by the timeout (the kill at once): long beside a tiny model's
+    # steps of tens of ms even on a loaded machine, short enough for the test
+    inst = Instance(tiny_checkpoint, dep=2, timeout=10.0)
     try:
         assert_member_death_is_survived(inst, member=1, name="DP rank 1", checkpoint=tiny_checkpoint)
         # a member that stops answering (its process frozen) is found by the gang's timeouts
@@ -173,10 +187,12 @@ def assert_member_death_is_survived(inst: Instance, member: int, name: str, chec
     with pytest.raises(InstanceError, match=rf"was lost: .* instance .* failed: {name} {what}.*resubmit"):
         for _ in stream:
             pass
-    assert time.monotonic() - start < 30
+    # the stream ends once the gang has restarted: a death is seen at once, a freeze after the
+    # timeout, and a restart takes seconds (RESTART_S allows for a loaded machine)
+    assert time.monotonic() - start < (0 if fault == "kill" else inst.timeout) + RESTART_S
     assert inst.stats()["restarts"] == restarts + 1
-    [again] = inst.generate([prompt(70, seed=52)], GREEDY)  # the restarted gang serves
-    assert again["token_ids"] == single_process(checkpoint)[2]
+    [again] = inst.generate([STAGGERED[2]], GREEDY)  # the restarted gang serves
+    assert_like_single_process(checkpoint, [again["token_ids"]], slice(2, 3))
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from conftest import free_port
 
+from rackserve.actors.cluster import WORKER_ENV
 from rackserve.serve.ingress import direct_ingress_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +32,8 @@ def ray_head():
                                             "ray-client-server-port")}
     serve_port = free_port()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "", **direct_ingress_env(serve_port)}
+           "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "", **WORKER_ENV,
+           **direct_ingress_env(serve_port, load_balanced=False)}
     args = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--num-cpus", "4",
             "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats",
             "--temp-dir", f"/tmp/rackserve-job-{os.getpid()}", *[f"--{k}={v}" for k, v in ports.items()]]
@@ -46,11 +48,9 @@ def ray_head():
         except httpx.HTTPError:
             time.sleep(1)
     yield dashboard, env, serve_port
-    os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
+    # the head is this test's alone: the whole group at once, no graceful stop to wait for
+    os.killpg(head.pid, signal.SIGKILL)
+    head.wait(timeout=60)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import REFERENCE_CONFIGS, prompt
+from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt
 
 from rackserve.config import CSA, HCA, ConfigError, EngineConfig, ModelConfig
 from rackserve.engine import LLM, SamplingParams
@@ -53,6 +53,14 @@ def plain(checkpoint):
     return run(checkpoint, 0)
 
 
+def assert_like_plain(checkpoint, got: list[list[int]], plain: list[list[int]]) -> None:
+    """Outputs with speculation are those without (verifying k+1 positions in one forward is
+    another shape of computation: equal up to near-ties)."""
+    prompts = [prompt(n, seed=50 + i) for i, (n, _, _) in enumerate(ARRIVALS)]
+    params = [SamplingParams(max_tokens=m, **GREEDY) for _, m, _ in ARRIVALS]
+    assert_same_tokens(checkpoint, prompts, got, plain, params)
+
+
 def noisy_oracle(plain: list[list[int]], wrong_every: int = 3):
     """The main model's own greedy continuation, with one draft in `wrong_every` corrupted (at a position
     that varies with the request's length), so verification accepts 0 … k drafts, each often."""
@@ -68,20 +76,20 @@ def noisy_oracle(plain: list[list[int]], wrong_every: int = 3):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_output_is_unchanged_with_mtp_drafts(checkpoint, plain, k):
-    assert run(checkpoint, k) == plain
+    assert_like_plain(checkpoint, run(checkpoint, k), plain)
     stats = run.stats
     assert stats["spec_verifies"] > 0 and len(stats["spec_acceptance_rate"]) == k
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_output_is_unchanged_when_drafts_are_partly_right(checkpoint, plain, k):
-    assert run(checkpoint, k, oracle=noisy_oracle(plain)) == plain
+    assert_like_plain(checkpoint, run(checkpoint, k, oracle=noisy_oracle(plain)), plain)
     rates = run.stats["spec_acceptance_rate"]
     assert all(0.3 < r < 1 for r in rates), rates  # accepted and rejected at every draft position
 
 
 def test_a_right_oracle_is_always_accepted(checkpoint, plain):
-    assert run(checkpoint, 3, oracle=noisy_oracle(plain, wrong_every=10**9)) == plain
+    assert_like_plain(checkpoint, run(checkpoint, 3, oracle=noisy_oracle(plain, wrong_every=10**9)), plain)
     stats = run.stats
     assert stats["spec_acceptance_rate"] == [1.0, 1.0, 1.0] and stats["spec_mean_accepted"] > 2.5
 

@@ -8,7 +8,7 @@ on a skewed checkpoint; a P/D deployment speculating on the decode side only get
 from __future__ import annotations
 
 import pytest
-from conftest import REFERENCE_CONFIGS, prompt
+from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt
 
 from rackserve.actors.deployment import Deployment, _role_engine_kwargs
 from rackserve.actors.instance import Instance
@@ -33,12 +33,15 @@ def checkpoint(tmp_path_factory):
                      hot_experts=1)
 
 
+PROMPTS = [prompt(n, seed=s) for n, s, _ in FIRST + LATER]
+PARAMS = [greedy(m) for *_, m in FIRST + LATER]
+
+
 @pytest.fixture(scope="module")
 def plain(checkpoint) -> list[list[int]]:
     """The single-process engine's outputs without speculation."""
     llm = LLM(checkpoint, **{k: v for k, v in ENGINE.items() if k != "eplb_interval"})
-    work = FIRST + LATER
-    return [c.token_ids for c in llm.generate([prompt(n, seed=s) for n, s, _ in work], [greedy(m) for *_, m in work])]
+    return [c.token_ids for c in llm.generate(PROMPTS, PARAMS)]
 
 
 def run_ragged(inst: Instance) -> list[list[int]]:
@@ -53,8 +56,8 @@ def run_ragged(inst: Instance) -> list[list[int]]:
     return outs
 
 
-def check_instance(inst: Instance, plain: list[list[int]], k: int) -> None:
-    assert run_ragged(inst) == plain
+def check_instance(inst: Instance, checkpoint, plain: list[list[int]], k: int) -> None:
+    assert_same_tokens(checkpoint, PROMPTS, run_ragged(inst), plain, PARAMS)
     members = inst.stats()["members"]
     dp = [m for m in members if m["role"] == "DP rank"]
     assert all(m["spec_verifies"] > 0 and len(m["spec_acceptance_rate"]) == k for m in dp)
@@ -75,7 +78,7 @@ def check_instance(inst: Instance, plain: list[list[int]], k: int) -> None:
 def test_dep2_with_mtp_drafts_gives_the_outputs_without(ray_cluster, checkpoint, plain, k):
     inst = Instance(checkpoint, dep=2, redundant_slots=2, engine_kwargs={**ENGINE, "speculative_tokens": k})
     try:
-        check_instance(inst, plain, k)
+        check_instance(inst, checkpoint, plain, k)
     finally:
         inst.shutdown()
 
@@ -85,7 +88,7 @@ def test_split_instance_with_mtp_drafts_gives_the_outputs_without(ray_cluster, c
     inst = Instance(checkpoint, dep=2, expert_ranks=2, redundant_slots=2,
                     engine_kwargs={**ENGINE, "speculative_tokens": 2})
     try:
-        check_instance(inst, plain, 2)
+        check_instance(inst, checkpoint, plain, 2)
     finally:
         inst.shutdown()
 
@@ -111,11 +114,10 @@ def test_pd_deployment_with_speculation_set_for_decode_only(ray_cluster, checkpo
     dep = Deployment(checkpoint, prefill="1xDEP1", decode="1xDEP1", kv_stores=1, engine_kwargs=engine,
                      decode_engine_kwargs={"speculative_tokens": 2}, store_memory_mb=16)
     try:
-        work = FIRST + LATER
-        got = dep.generate([prompt(n, seed=s) for n, s, _ in work], [greedy(m) for *_, m in work])
-        assert [g["token_ids"] for g in got] == plain
+        got = dep.generate(PROMPTS, PARAMS)
+        assert_same_tokens(checkpoint, PROMPTS, [g["token_ids"] for g in got], plain, PARAMS)
         [decode] = dep.stats()["decode"][0]["members"]
-        assert decode["kv_loaded"] == len(work) and decode["kv_recomputed"] == 0  # every state was pushed
+        assert decode["kv_loaded"] == len(PROMPTS) and decode["kv_recomputed"] == 0  # every state was pushed
         assert decode["spec_verifies"] > 0
     finally:
         dep.shutdown()

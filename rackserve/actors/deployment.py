@@ -17,12 +17,14 @@ instance, a KV store) costs recomputation on the decode rank, not the request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 import secrets
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -67,6 +69,21 @@ def _role_engine_kwargs(common: dict, prefill: dict | None, decode: dict | None)
     return prefill, decode
 
 
+def _start_together(makers: list[Callable[[], Instance]]) -> list[Instance]:
+    """The instances `makers` start, started side by side. A start is seconds of actors starting,
+    weights loading and a rendezvous, mostly spent waiting on other processes: one after another, a
+    deployment of many instances would take the sum. If one fails, the others are shut down."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(makers), 32)), thread_name_prefix="instance-start") as pool:
+        futures = [pool.submit(make) for make in makers]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for f in futures:
+            if f.exception() is None:
+                f.result().shutdown()
+        raise errors[0]
+    return [f.result() for f in futures]
+
+
 class Deployment:
     def __init__(self, model: str | Path = "tiny", prefill: str = "1xDEP1", decode: str = "1xDEP2",
                  kv_stores: int = 1, engine_kwargs: dict | None = None, store_memory_mb: float = 256.0,
@@ -103,17 +120,25 @@ class Deployment:
                                                                  engine_kwargs=store_kwargs, name=f"kvstore{i}-{tag}")
 
         if plan is None:
-            self.decode, self.prefill = ([Instance(self.path, dep=g.size, expert_ranks=g.expert_ranks,
-                                                   name=f"{g.role}{i}-{tag}", **common, **role_kwargs[g.role])
-                                          for i in range(g.count)] for g in reversed(groups))
+            makers = [(g.role, functools.partial(Instance, self.path, dep=g.size, expert_ranks=g.expert_ranks,
+                                                 name=f"{g.role}{i}-{tag}", **common, **role_kwargs[g.role]))
+                      for g in groups for i in range(g.count)]
             self.stores = [new_store(i, {}) for i in range(kv_stores)]
         else:
-            self.decode, self.prefill = ([Instance.from_plan(p, placement_groups[p.name], self.path, bundle_resources,
-                                                             **common, **role_kwargs[role])
-                                          for p in plan.instances if p.role == role] for role in ("decode", "prefill"))
-            if not self.decode or not self.prefill:
+            if not {"prefill", "decode"} <= {p.role for p in plan.instances}:
                 raise ConfigError("the plan needs at least one prefill and one decode instance")
+            makers = [(p.role, functools.partial(Instance.from_plan, p, placement_groups[p.name], self.path,
+                                                 bundle_resources, **common, **role_kwargs[p.role]))
+                      for p in plan.instances]
             self.stores = [new_store(i, kv_store_options(s, num_cpus=0)) for i, s in enumerate(plan.kv_stores)]
+        try:
+            started = _start_together([make for _, make in makers])
+        except BaseException:
+            for store in self.stores:
+                ray.kill(store)
+            raise
+        self.decode, self.prefill = ([inst for (r, _), inst in zip(makers, started, strict=True) if r == role]
+                                     for role in ("decode", "prefill"))
         self.dead_stores: set[int] = set()
         self._routes: dict[str, _Route] = {}
         self._decode_load: Counter = Counter()  # (instance, rank) -> state tokens held

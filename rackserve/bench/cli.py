@@ -84,6 +84,7 @@ def sweep(args: argparse.Namespace) -> int:
 
     import ray
 
+    from rackserve.actors.cluster import local_ray
     from rackserve.bench import runner
 
     if args.png_dir:  # before the sweep: a missing matplotlib should not cost a whole sweep
@@ -98,8 +99,10 @@ def sweep(args: argparse.Namespace) -> int:
     engine = {"max_num_seqs": max(32, max(levels)), "max_num_batched_tokens": max(512, 2 * max(levels)),
               **args.engine}
     started_ray = args.url is None and not ray.is_initialized()
-    if started_ray:  # a private cluster, not a neighbour's
-        ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
+    if started_ray and args.address:
+        ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+    elif started_ray:
+        local_ray()
     try:
         points = [p for config in args.config or ["pd:1xDEP1:1xDEP1"]
                   for p in asyncio.run(runner.sweep_config(config, spec, levels, url=args.url, model=args.model,

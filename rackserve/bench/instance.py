@@ -26,6 +26,7 @@ import time
 import ray
 import torch
 
+from rackserve.actors.cluster import local_ray
 from rackserve.actors.instance import Instance
 from rackserve.engine import LLM, SamplingParams
 from rackserve.model.tiny import ensure_tiny
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = workload(args.requests, args.isl)
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
     if not ray.is_initialized():
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)  # a private cluster, not a neighbour's
+        local_ray()
 
     single = run_single(prompts, params, args.batch)
     results = {dep: run_instance(dep, prompts, params, args.batch) for dep in sizes}

@@ -40,6 +40,7 @@ import numpy as np
 import ray
 import torch
 
+from rackserve.actors.cluster import local_ray
 from rackserve.config import ModelConfig
 from rackserve.model.state import ModelState
 from rackserve.model.tiny import ensure_tiny
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     memcpy = memcpy_times(sizes, args.repeats)  # before any agent polls a core
     started = not ray.is_initialized()
     if started:  # 1 GiB of object store: room for a 256 MiB object and the next one
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, object_store_memory=1 << 30)
+        local_ray(object_store_memory=1 << 30)
     try:
         times, idle_cores = transfer_times(sizes, args.repeats)
     finally:

@@ -42,6 +42,7 @@ import httpx
 import ray
 from ray import serve
 
+from rackserve.actors.cluster import local_ray
 from rackserve.actors.deployment import Deployment
 from rackserve.bench.instance import workload
 from rackserve.bench.metrics import percentile
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     direct_port = args.direct_port
     if started_ray:
         direct_port = direct_port or args.port + 1
-        os.environ.update(ingress.direct_ingress_env(direct_port))  # the cluster below inherits it
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)  # a private cluster, not a neighbour's
+        os.environ.update(ingress.direct_ingress_env(direct_port, load_balanced=False))  # the cluster below inherits it
+        local_ray()
     started_serve = not serve.status().proxies
     ports = {"proxy": args.port, **({"direct": direct_port} if direct_port else {})}
     try:

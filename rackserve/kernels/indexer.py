@@ -2,6 +2,17 @@
 
 score[t, e] = Σ_h w[t, h] · ReLU(q[t, h] · k_e) · d^-½ over the entries e the query may see.
 Shapes: T queries, H indexer heads, d indexer head dim, E candidate entries per query.
+
+What the top-k promises, on any hardware: the k candidates with the highest scores *as computed*,
+best first, and among candidates whose computed scores are equal, the lowest position first (so
+the tie rule does not depend on the batch). Scores are fp32 sums whose order differs between
+implementations, tile shapes and CPUs (the Triton interpreter's `tl.dot` is numpy's BLAS, whose
+kernel depends on the CPU's SIMD width; a GPU's MMA tiles differ again), so two implementations,
+or one key seen at two positions of a tile, may differ in the last bits. Against the reference the
+choice is therefore the same up to near-ties: the i-th pick's reference score is within the fp32
+tolerance of the reference's i-th best score. Ties that are exact in any summation order stay
+exact and follow the rule everywhere: entries no head scores above zero (every ReLU 0, the common
+tie on random weights) and invisible ones (-inf); `tests/test_kernels_attention.py` checks both.
 """
 
 from __future__ import annotations

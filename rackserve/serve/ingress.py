@@ -33,11 +33,16 @@ INGRESS_KINDS = ("proxy", "direct")
 _FLAG, _MIN_PORT = "RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
 
 
-def direct_ingress_env(port: int, apps: int = 1) -> dict[str, str]:
+def direct_ingress_env(port: int, apps: int = 1, load_balanced: bool = True) -> dict[str, str]:
     """The environment of a Ray cluster whose endpoint replicas serve HTTP themselves: the first
-    app's on `port`, the next ones' on the ports after it (one port per app, as each has one replica)."""
-    return {_FLAG: "1", _MIN_PORT: str(port), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + apps),
-            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+    app's on `port`, the next ones' on the ports after it (one port per app, as each has one replica).
+
+    A stopping replica stays reachable for 30 s (Serve's default) so that a load balancer in front
+    can deregister it; `load_balanced=False`, for a cluster on one machine with nothing in front
+    (`rackserve serve`, the tests), drops that wait: the replica still finishes its requests first."""
+    env = {_FLAG: "1", _MIN_PORT: str(port), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + apps),
+           "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+    return env if load_balanced else {**env, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 
 def check_direct_ingress(port: int) -> None:
