@@ -66,3 +66,6 @@ def test_direct_ingress_is_checked_against_the_cluster(monkeypatch):
     with pytest.raises(ConfigError, match="on port 9000"):
         check_direct_ingress(9000)  # started for another port
     assert direct_ingress_env(8000, apps=2)["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8002"
+    # a stopping replica stays reachable for a load balancer unless nothing is in front
+    drain = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+    assert drain not in direct_ingress_env(8000) and direct_ingress_env(8000, load_balanced=False)[drain] == "0"

@@ -77,6 +77,8 @@ def test_dep2_instance(ray_cluster, tiny_checkpoint):
     try:
         assert_like_single_process(tiny_checkpoint, run_staggered(inst))
         assert all(s["steps"] > 0 for s in inst.stats()["members"])  # both stepped (one with dummies at times)
+        # ranks run at normal priority (the session's cluster is started with WORKER_ENV), not Ray's nice 15
+        assert [os.getpriority(os.PRIO_PROCESS, p["pid"]) for p in inst.ping()] == [0, 0]
 
         before = [p["cpu_s"] for p in inst.ping()]
         steps = [s["steps"] for s in inst.stats()["members"]]
