@@ -112,6 +112,21 @@ def assert_same_tokens(checkpoint, prompts: Sequence[Sequence[int]], got: Sequen
                                 f"model's best ({int(logits[j].argmax())}); got {g}, want {w}")
 
 
+def settled_stats(inst, timeout: float = 60.0) -> dict:
+    """`inst.stats()` (an `Instance`'s) once its members agree on the number of steps made. The
+    members are read one after another, and a gang may still be finishing a step when its last
+    outputs have reached the caller, so a snapshot taken at once can straddle a step."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = inst.stats()
+        if len({m["steps"] for m in stats["members"]}) == 1:
+            return stats
+        assert time.monotonic() < deadline, f"the members' step counts still differ after {timeout} s: {stats}"
+        time.sleep(0.05)
+
+
 def prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

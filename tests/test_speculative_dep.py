@@ -8,7 +8,7 @@ on a skewed checkpoint; a P/D deployment speculating on the decode side only get
 from __future__ import annotations
 
 import pytest
-from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt
+from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt, settled_stats
 
 from rackserve.actors.deployment import Deployment, _role_engine_kwargs
 from rackserve.actors.instance import Instance
@@ -58,11 +58,10 @@ def run_ragged(inst: Instance) -> list[list[int]]:
 
 def check_instance(inst: Instance, checkpoint, plain: list[list[int]], k: int) -> None:
     assert_same_tokens(checkpoint, PROMPTS, run_ragged(inst), plain, PARAMS)
-    members = inst.stats()["members"]
+    members = settled_stats(inst)["members"]  # lockstep: the step counts settle to one
     dp = [m for m in members if m["role"] == "DP rank"]
     assert all(m["spec_verifies"] > 0 and len(m["spec_acceptance_rate"]) == k for m in dp)
     assert any(rate < 1 for m in dp for rate in m["spec_acceptance_rate"])  # drafts were rejected
-    assert len({m["steps"] for m in members}) == 1  # lockstep
     # every member re-placed both expert sets together, to the same layouts; re-placing the draft's
     # experts balanced its skewed load better (the target's figures are reported apart)
     assert len({m["eplb_rebalances"] for m in members}) == 1 and members[0]["eplb_rebalances"] >= 2
