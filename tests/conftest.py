@@ -131,24 +131,30 @@ def prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Test ports come from below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999
+# here) and above Ray's worker ports (10002-19999): a port bound to 0 comes *from* the ephemeral range,
+# where any outgoing connection (Ray opens many) may take it before the test's server binds it.
+_PORTS = range(20000, 32768)
+_next_port = [20000 + os.getpid() % 4096]
 
 
 def free_ports(n: int) -> int:
     """The first of `n` consecutive TCP ports on 127.0.0.1 that nothing listens on right now."""
     while True:
-        first = free_port()
+        first = _PORTS.start + (_next_port[0] - _PORTS.start) % (len(_PORTS) - n)
+        _next_port[0] = first + n
         with contextlib.ExitStack() as held:
             try:
-                for port in range(first + 1, first + n):
+                for port in range(first, first + n):
                     held.enter_context(socket.socket()).bind(("127.0.0.1", port))
             except OSError:
                 continue
         return first
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    return free_ports(1)
 
 
 # The one Ray cluster of the test session: 2 racks x 2 trays, each tray a node with 2 logical GPUs
@@ -168,7 +174,7 @@ def ray_cluster():
     node = {"num_cpus": 1, "num_gpus": GPUS_PER_TRAY, "object_store_memory": 80 << 20}
     labels = [{"rackserve.io/rack": f"rack{r}", "rackserve.io/tray": f"tray{t}"}
               for r in range(RACKS) for t in range(TRAYS)]
-    direct_port, saved = free_ports(2), dict(os.environ)
+    direct_port, saved = free_ports(3), dict(os.environ)  # apps=2: ports port … port + 2
     # the nodes' processes inherit these, this one need not: workers at normal priority (a loaded
     # machine starves Ray's default nice 15), direct ingress for two apps (test_serve runs a second)
     os.environ.update({**WORKER_ENV, **direct_ingress_env(direct_port, apps=2, load_balanced=False)})
