@@ -10,8 +10,9 @@ import sys
 def _make_tiny(args: argparse.Namespace) -> int:
     from rackserve.model.tiny import make_tiny
 
-    path = make_tiny(args.dir, seed=args.seed, hot_experts=args.hot_experts)
-    print(f"wrote the tiny DeepSeek-V4 checkpoint to {path}")
+    path = make_tiny(args.dir, seed=args.seed, hot_experts=args.hot_experts, fmt=args.format, quant=args.quant,
+                     scale_fmt=args.scale_fmt)
+    print(f"wrote the tiny DeepSeek-V4 checkpoint ({args.format}, quant {args.quant}) to {path}")
     return 0
 
 
@@ -49,6 +50,44 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rackserve.config import ModelConfig
+    from rackserve.model.memory import format_report, serving_report, slots_per_rank
+    from rackserve.placement import InstanceGroup
+    from rackserve.serve.config import ServeConfig
+
+    config = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
+    model_dir = Path(args.model or config.model)
+    if (model_dir / "config.json").is_file():
+        model, source = ModelConfig.from_pretrained(model_dir), str(model_dir)
+    else:
+        model, source = ModelConfig.from_dict({}), f"DeepSeek-V4-Flash's shape ({model_dir} has no config.json here)"
+    experts = model.n_routed_experts
+    ranks = {}
+    for role, shape, redundant in (("prefill", config.prefill, 0), ("decode", config.decode,
+                                                                    config.decode_redundant_slots)):
+        group = InstanceGroup.parse(shape, role)
+        holders = group.expert_ranks or group.size
+        kind = "expert rank" if group.expert_ranks else "rank"
+        ranks[f"{role} {group.shape} {kind}: dense + {slots_per_rank(experts, redundant, holders)} slots"] = \
+            slots_per_rank(experts, redundant, holders)
+    rows = serving_report(model, ranks)
+    if args.json:
+        print(json.dumps({"model": source, "gib": rows}))
+        return 0
+    print(f"weights per GPU, GiB; model: {source}")
+    print(format_report(rows))
+    if (model_dir / "config.json").is_file():
+        quant = model.quantization
+        stored = "bf16" if quant is None else ("FP8+FP4" if quant.expert_dtype == "fp4" else "FP8")
+        print(f"{model_dir} stores its weights as {stored}")
+    else:
+        print("DeepSeek publishes V4-Flash as FP8+FP4 (FP8 linears, FP4 routed experts)")
+    return 0
+
+
 def _sim(args: argparse.Namespace) -> int:
     from rackserve.bench.sim.published import validate
     from rackserve.bench.sim.scenario import Scenario, report, simulate
@@ -79,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     tiny.add_argument("--hot-experts", type=int, default=0,
                       help="bias the learned routers towards the first N experts (skewed load for EPLB)")
+    tiny.add_argument("--format", choices=("ours", "published"), default="ours",
+                      help="published: DeepSeek's tensor names, shards + index, BF16 / FP8 / FP4 as published")
+    tiny.add_argument("--quant", choices=("none", "fp8", "fp4"), default="none",
+                      help="with --format published: fp8 (FP8 linears and experts) or fp4 (FP4 routed experts)")
+    tiny.add_argument("--scale-fmt", choices=("ue8m0", "float"), default="ue8m0",
+                      help="FP8/FP4 scales as power-of-two exponent bytes (as published) or fp32")
     tiny.set_defaults(func=_make_tiny)
 
     gen = sub.add_parser("generate", help="generate text offline in this process (default: the tiny model)")
@@ -102,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--spread", action="store_true", help="spread each role's instances across racks")
     pl.add_argument("--png", help="also draw the plan to this PNG file (needs matplotlib)")
     pl.set_defaults(func=_plan)
+
+    mem = sub.add_parser("memory", help="weight bytes per GPU of a serve config's ranks, in bf16, FP8 and FP8+FP4 "
+                                        "(meta device: nothing is loaded)")
+    mem.add_argument("--config", help="a serve config, e.g. deploy/gb300-nvl72.yaml (default: the built-in one)")
+    mem.add_argument("--model", help="a checkpoint directory (default: the config's model; V4-Flash's shape if "
+                                     "it is not here)")
+    mem.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    mem.set_defaults(func=_memory)
 
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible endpoint (default: the tiny model on a local "
                                       "Ray: one prefill DEP2, one decode DEP2, one KV store, on 127.0.0.1:8000)")

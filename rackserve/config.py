@@ -62,6 +62,60 @@ class RopeConfig:
             )
 
 
+QUANT_METHODS = ("fp8",)
+SCALE_FMTS = ("float", "ue8m0")
+EXPERT_DTYPES = ("fp8", "fp4")
+# transformers' FineGrainedFP8Config fields that say nothing about the stored weights
+_QUANT_FIELDS_IGNORED = ("dequantize", "modules_to_not_convert", "modules_to_convert")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a published checkpoint stores its weights (config.json's `quantization_config`).
+
+    FP8 e4m3 linears with one scale per `weight_block_size` block (rows, inputs); routed experts in FP8
+    likewise, or in FP4 e2m1 (`expert_dtype: fp4`) with one scale per 32 inputs; scales fp32 (`float`)
+    or powers of two stored as one exponent byte (`ue8m0`). Activations stay in the model dtype
+    (`dynamic`: nothing is stored for them). Which tensors are quantized is read from the files.
+    """
+
+    quant_method: str = "fp8"
+    weight_block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str = "float"
+    expert_dtype: str = "fp8"
+    activation_scheme: str = "dynamic"
+    fmt: str = "e4m3"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("quant_method", QUANT_METHODS), ("scale_fmt", SCALE_FMTS),
+                              ("expert_dtype", EXPERT_DTYPES), ("activation_scheme", ("dynamic",)),
+                              ("fmt", ("e4m3",))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"quantization_config.{name}={getattr(self, name)!r} is not supported; "
+                                  f"use one of {allowed}")
+        block = self.weight_block_size
+        if (len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ConfigError(f"quantization_config.weight_block_size={list(block)!r} must be two positive "
+                              "integers [rows, inputs], e.g. [128, 128]")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], expert_dtype: str | None = None) -> "QuantConfig":
+        """From `quantization_config`; `expert_dtype` is V4's top-level field, used when the dict has none."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known - set(_QUANT_FIELDS_IGNORED))
+        if unknown:
+            raise ConfigError(f"quantization_config has unknown fields {unknown}; rackserve reads {sorted(known)}")
+        kw = {k: raw[k] for k in known if raw.get(k) is not None}
+        if "weight_block_size" in kw:
+            kw["weight_block_size"] = tuple(kw["weight_block_size"])
+        if "expert_dtype" not in kw and expert_dtype is not None:
+            kw["expert_dtype"] = expert_dtype
+        return cls(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "weight_block_size": list(self.weight_block_size)}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """DeepSeek-V4 architecture. Field names follow the Hugging Face config.json."""
@@ -104,6 +158,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     main_rope: RopeConfig = field(default_factory=lambda: RopeConfig(theta=10000.0, dim=64))
     compress_rope: RopeConfig = field(default_factory=lambda: RopeConfig(theta=160000.0, dim=64))
+    quantization: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -203,8 +258,10 @@ class ModelConfig:
 
         d = asdict(self)
         for key in ("main_rope", "compress_rope", "csa_compress_rate", "hca_compress_rate", "eos_token_ids",
-                    "qk_rope_head_dim", "mtp_layer_types"):
+                    "qk_rope_head_dim", "mtp_layer_types", "quantization"):
             d.pop(key)
+        if self.quantization is not None:
+            d["quantization_config"] = self.quantization.to_dict()
         d.update(
             architectures=["DeepseekV4ForCausalLM"],
             model_type="deepseek_v4",
@@ -240,11 +297,9 @@ class ModelConfig:
         model_type = raw.get("model_type", "deepseek_v4")
         if model_type != "deepseek_v4":
             raise ConfigError(f"model_type={model_type!r} is not supported; rackserve serves 'deepseek_v4'")
-        if raw.get("quantization_config"):
-            raise ConfigError(
-                "quantization_config is set: quantized (FP8/FP4) checkpoints are not supported yet; "
-                "use a bf16 or fp32 checkpoint"
-            )
+        quant = raw.get("quantization_config")
+        if quant is not None and not isinstance(quant, dict):
+            raise ConfigError(f"quantization_config={quant!r} must be a dict (or absent for unquantized weights)")
         for name, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
             if name in raw and raw[name] != want:
                 raise ConfigError(f"{name}={raw[name]!r} is not supported; DeepSeek-V4 uses {want!r}")
@@ -301,13 +356,15 @@ class ModelConfig:
         dtype = raw.get("dtype", raw.get("torch_dtype"))
         if dtype is not None:
             kw["dtype"] = dtype
+        if quant:
+            kw["quantization"] = QuantConfig.from_dict(quant, raw.get("expert_dtype"))
         return cls(**kw)
 
 
 # Fields computed by `from_dict` rather than copied from config.json.
 _DERIVED_FIELDS = {
     "layer_types", "mlp_layer_types", "mtp_layer_types", "qk_rope_head_dim", "main_rope", "compress_rope",
-    "csa_compress_rate", "hca_compress_rate", "eos_token_ids", "dtype",
+    "csa_compress_rate", "hca_compress_rate", "eos_token_ids", "dtype", "quantization",
 }
 
 
@@ -348,6 +405,7 @@ def _parse_rope(raw: dict[str, Any], rope_dim: int, head_dim: int) -> tuple[Rope
 
 
 MAX_SPECULATIVE_TOKENS = 3
+WEIGHTS = ("stored", "dequantize")
 
 
 def _check_speculation(model: ModelConfig, k: int) -> None:
@@ -389,6 +447,8 @@ class EngineConfig:
       prefills the request itself.
     speculative_tokens: tokens the model's MTP layer drafts per request and decode step, verified in
       one forward of the main model (0: no speculation; at most 3).
+    weights: "stored" keeps a quantized checkpoint's FP8/FP4 weights as stored (computed by block-scaled
+      kernels); "dequantize" turns them into `dtype` at load, for machines without FP8 kernels.
     """
 
     max_num_seqs: int = 32
@@ -407,6 +467,7 @@ class EngineConfig:
     kv_pool_mb: float = 64.0
     kv_timeout_s: float = 10.0
     speculative_tokens: int = 0
+    weights: str = "stored"
 
     def __post_init__(self) -> None:
         if not isinstance(self.eplb_interval, int) or self.eplb_interval < 0:
@@ -429,6 +490,8 @@ class EngineConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be > 0")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {_DTYPES}")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"weights={self.weights!r} must be one of {WEIGHTS}")
         k = self.speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"speculative_tokens={k!r} must be an integer from 0 (off) to {MAX_SPECULATIVE_TOKENS}")

@@ -51,6 +51,12 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def published_fp4(tmp_path_factory):
+    """The tiny model as DeepSeek publishes V4: its names, shards, FP8 linears, FP4 routed experts, UE8M0 scales."""
+    return make_tiny(tmp_path_factory.mktemp("published-fp4"), seed=0, fmt="published", quant="fp4")
+
+
+@pytest.fixture(scope="session")
 def reference(ref_checkpoint):
     from transformers import DeepseekV4ForCausalLM
 

@@ -70,7 +70,7 @@ def test_round_trip_through_config_json(tmp_path):
     ({"index_head_dim": 4}, ["index_head_dim=4"]),
     ({"model_type": "llama"}, ["model_type='llama'", "deepseek_v4"]),
     ({"hidden_act": "gelu"}, ["hidden_act='gelu'", "silu"]),
-    ({"quantization_config": {"quant_method": "fp8"}}, ["quantization_config", "bf16"]),
+    ({"quantization_config": {"quant_method": "awq"}}, ["quant_method='awq'", "fp8"]),
     ({"rope_scaling": {"type": "longrope"}}, ["rope_type='longrope'", "yarn"]),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, ["original_max_position_embeddings"]),
     ({"dtype": "int8"}, ["dtype='int8'", "bfloat16"]),

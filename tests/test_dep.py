@@ -118,18 +118,21 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, e
 
 
 # eplb_interval 2: the experts are re-placed from the counted load every other step, weights moving
-# between the ranks while requests are in flight; nothing may change in the outputs
+# between the ranks while requests are in flight; nothing may change in the outputs. The EPLB case runs
+# the published FP8+FP4 checkpoint: experts are sharded and moved as stored (FP4 codes and UE8M0 scales).
 @pytest.mark.slow
-@pytest.mark.parametrize("eplb_interval", [0, 2], ids=["static", "eplb"])
-def test_dep2_engines_in_lockstep_equal_the_single_process_engine(tiny_checkpoint, eplb_interval):
+@pytest.mark.parametrize("eplb_interval,checkpoint", [(0, "tiny_checkpoint"), (2, "published_fp4")],
+                         ids=["static", "eplb-fp4"])
+def test_dep2_engines_in_lockstep_equal_the_single_process_engine(request, eplb_interval, checkpoint):
     from rackserve.collective import RendezvousServer
     from rackserve.engine import LLM, SamplingParams
 
+    path = request.getfixturevalue(checkpoint)
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
     server = RendezvousServer(WORLD, "test-secret")
     procs = [ctx.Process(target=engine_worker,
-                         args=(r, port, server.address, str(tiny_checkpoint), eplb_interval, results))
+                         args=(r, port, server.address, str(path), eplb_interval, results))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -143,9 +146,9 @@ def test_dep2_engines_in_lockstep_equal_the_single_process_engine(tiny_checkpoin
         assert rebalances > 5 and moved > 0
     else:
         assert rebalances == moved == 0
-    single = LLM(tiny_checkpoint)
+    single = LLM(path)
     for rank, work in ENGINE_WORK.items():
         prompts = [prompt(n, seed=s) for n, s, _ in work]
         params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, _, m in work]
         want = [c.token_ids for c in single.generate(prompts, params)]
-        assert_same_tokens(tiny_checkpoint, prompts, got[rank][0], want, params)
+        assert_same_tokens(path, prompts, got[rank][0], want, params)

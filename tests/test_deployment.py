@@ -1,5 +1,5 @@
-"""A P/D deployment on the session's Ray cluster (a DEP1 prefill instance, a DEP2 decode instance,
-one KV store; real NIXL between the actors): outputs equal the single-process engine's, a session's
+"""A P/D deployment on the session's Ray cluster (a DEP1 prefill instance, a DEP2 decode instance with
+EPLB, one KV store; real NIXL between the actors; the published FP8+FP4 checkpoint): outputs equal the single-process engine's, a session's
 second turn prefills only its new text, and a killed prefill rank or KV store costs recomputation,
 not requests (on a deployment of its own); requests submitted at once from many threads all reach
 the decode ranks within a few steps."""
@@ -23,10 +23,12 @@ ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 96, "kv_timeout_s": 60.0}
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_cluster, tiny_checkpoint):
-    """Shared by the tests that leave it as they found it (no member or store killed)."""
-    dep = Deployment(tiny_checkpoint, prefill="1xDEP1", decode="1xDEP2", kv_stores=1, engine_kwargs=ENGINE,
-                     store_memory_mb=16, timeout=10.0)
+def deployment(ray_cluster, published_fp4):
+    """Shared by the tests that leave it as they found it (no member or store killed). It serves the
+    checkpoint as DeepSeek publishes it (FP8 linears, FP4 experts), and its decode instance re-places
+    the quantized experts (EPLB) every 4 steps."""
+    dep = Deployment(published_fp4, prefill="1xDEP1", decode="1xDEP2", kv_stores=1, engine_kwargs=ENGINE,
+                     store_memory_mb=16, timeout=10.0, decode_engine_kwargs={"eplb_interval": 4})
     yield dep
     dep.shutdown()
 
@@ -49,20 +51,22 @@ def totals(dep: Deployment, role: str) -> dict:
 
 
 @pytest.mark.slow
-def test_pd_outputs_equal_the_single_process_engine(deployment, tiny_checkpoint):
+def test_pd_outputs_equal_the_single_process_engine(deployment, published_fp4):
     prompts = [prompt(n, seed=60 + n) for n in (7, 90, 33, 150, 12, 61)]
     params = [SamplingParams(max_tokens=m, temperature=t, seed=5 + i, ignore_eos=True)
               for i, (m, t) in enumerate([(8, 0), (5, 0), (12, 0.8), (6, 0), (1, 0), (9, 1.0)])]
     before = totals(deployment, "decode")
     got = deployment.generate(prompts, params)
-    assert_like_single(tiny_checkpoint, prompts, [g["token_ids"] for g in got], params)
+    assert_like_single(published_fp4, prompts, [g["token_ids"] for g in got], params)
     after = totals(deployment, "decode")
     assert after["kv_loaded"] - before.get("kv_loaded", 0) == len(prompts)  # every state was pushed
+    [decode] = deployment.stats()["decode"]
+    assert decode["members"][0]["eplb_rebalances"] > 0  # quantized experts moved while requests ran
     assert after["kv_recomputed"] == before.get("kv_recomputed", 0)
 
 
 @pytest.mark.slow
-def test_a_second_turn_prefills_only_its_new_text(deployment, tiny_checkpoint):
+def test_a_second_turn_prefills_only_its_new_text(deployment, published_fp4):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     turn1 = prompt(40, seed=71)
     puts = deployment.stats()["kv_stores"][0]["puts"]
@@ -75,7 +79,7 @@ def test_a_second_turn_prefills_only_its_new_text(deployment, tiny_checkpoint):
         time.sleep(0.05)
     pulled_before = totals(deployment, "prefill").get("kv_pulled_tokens", 0)
     [second] = deployment.generate([turn2], greedy, sessions=["chat"])
-    assert_like_single(tiny_checkpoint, [turn2], [second["token_ids"]], greedy)
+    assert_like_single(published_fp4, [turn2], [second["token_ids"]], greedy)
     block = 16  # the tiny model's block size: history up to the answer's last full block is reused
     assert second["num_cached_tokens"] == (len(turn1) + len(first["token_ids"]) - 1) // block * block
     assert totals(deployment, "prefill")["kv_pulled_tokens"] - pulled_before == second["num_cached_tokens"]
@@ -113,7 +117,7 @@ def kill_a_store_and_a_prefill_rank(deployment: Deployment, tiny_checkpoint) -> 
 
 
 @pytest.mark.slow
-def test_a_refused_request_fails_alone(deployment, tiny_checkpoint):
+def test_a_refused_request_fails_alone(deployment, published_fp4):
     """A request the decode rank refuses (a prompt beyond max_model_len) raises the rank's reason to
     its caller; the gang is not restarted, and a request in flight goes on to its end."""
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -123,11 +127,11 @@ def test_a_refused_request_fails_alone(deployment, tiny_checkpoint):
         deployment.submit(prompt(5000, seed=96), greedy)
     assert deployment.decode[0].generation == generation
     tokens = [t for out in deployment.stream(running) for t in out["new_token_ids"]]
-    assert_like_single(tiny_checkpoint, [prompt(20, seed=95)], [tokens], greedy)
+    assert_like_single(published_fp4, [prompt(20, seed=95)], [tokens], greedy)
 
 
 @pytest.mark.slow
-def test_concurrent_submits_reach_the_decode_ranks_within_a_few_steps(deployment, tiny_checkpoint):
+def test_concurrent_submits_reach_the_decode_ranks_within_a_few_steps(deployment, published_fp4):
     """24 requests submitted at once from threads (as the HTTP ingress submits) while both decode
     ranks decode, so that every gang step runs a forward: all 24 reservations are made within a few
     steps, not one request per step."""
@@ -154,7 +158,7 @@ def test_concurrent_submits_reach_the_decode_ranks_within_a_few_steps(deployment
     for stream in busy:
         stream.close()  # aborts them
     got = [[t for out in deployment.stream(r) for t in out["new_token_ids"]] for r in ids]
-    assert_like_single(tiny_checkpoint, prompts, got, short)
+    assert_like_single(published_fp4, prompts, got, short)
     # one request per step would take 24 steps; batched admissions take 1-2 unloaded, a few loaded
     assert took <= users // 2, f"{users} concurrent submits took {took} decode steps"
 

@@ -32,8 +32,9 @@ RESTART_S = 25.0  # a gang restart of the tiny model: about 5 s unloaded
 
 @pytest.fixture(scope="session")
 def hot_checkpoint(tmp_path_factory):
-    """The tiny model with one hot expert in every learned-routing layer: skewed expert load."""
-    return make_tiny(tmp_path_factory.mktemp("hot"), seed=0, hot_experts=1)
+    """The tiny model with one hot expert in every learned-routing layer (skewed expert load), as DeepSeek
+    publishes V4 (FP8 linears, FP4 experts): EPLB moves the experts as stored."""
+    return make_tiny(tmp_path_factory.mktemp("hot"), seed=0, hot_experts=1, fmt="published", quant="fp4")
 
 
 def run_staggered(inst: Instance) -> list[list[int]]:

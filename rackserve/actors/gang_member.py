@@ -76,7 +76,8 @@ class GangMember:
                                 rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=spec.timeout))
         self.gang = join(tuple(spec.rendezvous_at), self.rank, self.world_size, spec.secret, timeout=spec.timeout)
-        model = load_model(spec.checkpoint, dtype=config.dtype, device=config.device)
+        model = load_model(spec.checkpoint, dtype=config.dtype, device=config.device,
+                           weights=config.weights)
         model.shard_experts(ExpertParallel(spec.slots_per_rank, expert_ranks=range(*spec.expert_ranks)),
                             torch.tensor(spec.phy2log))
         return model, config

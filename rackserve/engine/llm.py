@@ -27,7 +27,7 @@ class LLM:
         """`model` is "tiny" or a checkpoint directory; `engine_kwargs` are `EngineConfig` fields."""
         config = EngineConfig(**engine_kwargs)
         path = ensure_tiny() if str(model) == "tiny" else Path(model)
-        weights = load_model(path, dtype=config.dtype, device=config.device)
+        weights = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights)
         tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         self.engine = Engine(weights, tokenizer, config)
 

@@ -33,6 +33,8 @@ OPS = {
     "dequantize_fp8": "quant",
     "quantize_fp4": "quant",
     "dequantize_fp4": "quant",
+    "fp8_linear": "block_scaled",
+    "moe_ffn_quantized": "block_scaled",
 }
 
 
@@ -83,3 +85,5 @@ quantize_fp8 = _op("quantize_fp8")
 dequantize_fp8 = _op("dequantize_fp8")
 quantize_fp4 = _op("quantize_fp4")
 dequantize_fp4 = _op("dequantize_fp4")
+fp8_linear = _op("fp8_linear")
+moe_ffn_quantized = _op("moe_ffn_quantized")

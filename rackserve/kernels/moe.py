@@ -7,11 +7,14 @@ Shapes: T tokens, D hidden, E experts, I expert intermediate size, k experts per
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from rackserve.kernels.triton_utils import round_to_bf16
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -51,6 +54,99 @@ def moe_ffn_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
 # UPCAST (set under the Triton interpreter only) feeds tl.dot fp32 copies of 16-bit operands: the
 # interpreter of triton 3.9 multiplies bf16 as their raw uint16 bits. The upcast is exact (a bf16
 # product fits in fp32), so the interpreter still checks the same arithmetic as the GPU path.
+#
+# The expert weights are plain (the activations' dtype) or block-scaled as published checkpoints
+# store them (`rackserve.kernels.block_scaled`): FP8 e4m3 or packed FP4 e2m1 codes with a grid of
+# fp32 or UE8M0 scales. A quantized tile is decoded in registers, value = code · scale in fp32, and
+# cast once to the activations' dtype, which is what `block_scaled.dequantize` computes.
+
+# weight formats (constexpr: kernels may read only constexpr globals)
+WEIGHTS_PLAIN, WEIGHTS_FP8, WEIGHTS_FP4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+class GemmWeights(NamedTuple):
+    """Weights `[.., N, K]` as the kernels read them: `data` plain, or codes with a scale grid.
+
+    data: plain in the activations' dtype; FP8: float8_e4m3fn codes `[.., N, K]`; FP4: int8 codes
+    `[.., N, K / 2]` (element 2i in the low nibble). scales: `[.., N / bn, K / bk]` fp32, or uint8
+    UE8M0 exponents (2^(byte - 127)); plain weights pass `data` again, never read.
+    """
+    data: torch.Tensor
+    scales: torch.Tensor
+    block: tuple[int, int]  # (bn, bk): rows and inputs per scale
+    fmt: int
+
+    @classmethod
+    def plain(cls, w: torch.Tensor) -> GemmWeights:
+        return cls(w, w, (1, 1), WEIGHTS_PLAIN.value)
+
+    def args(self) -> tuple:
+        """The kernels' weight arguments: pointers, block, then the data's and the scales' strides."""
+        return (self.data, self.scales, *self.block, *self.data.stride(), *self.scales.stride())
+
+    def k_tile(self, size: int, most: int) -> tuple[int, bool]:
+        """(BLOCK_K for `size` inputs, whether every K tile lies inside one scale column). Tiles of a
+        power of two dividing bk (at least 16, tl.dot's minimum) do, and then read one scale per row."""
+        block = tile_edge(size, most)
+        fit = self.block[1] & -self.block[1]  # the largest power of two dividing bk
+        if self.fmt == WEIGHTS_PLAIN.value or fit < 16:
+            return block, False
+        return min(block, fit), True
+
+
+@triton.jit
+def _decode(w, cols, FORMAT: tl.constexpr):
+    """Loaded codes `[BLOCK_K, BLOCK_N]` of inputs `cols` -> their fp32 values (FP4: the byte of two
+    inputs was loaded for each; odd inputs take its high nibble)."""
+    # one return at the end: a compiled kernel still traces the code after an early return (here an
+    # fp8 -> int cast it rejects), the interpreter does not
+    if FORMAT == WEIGHTS_FP8:
+        # the interpreter reads the NaN codes 0x7F / 0xFF as ±480 (a GPU as NaN); checkpoints hold none
+        values = w.to(tl.float32)
+    else:
+        code = (w.to(tl.int32) >> ((cols % 2) * 4)[:, None]) & 0xF
+        exp = (code >> 1) & 0x3
+        man = (code & 1).to(tl.float32)
+        # e2m1: exponent 0 is subnormal (man · 0.5), else (2 + man) · 2^(exp - 2)
+        mag = tl.where(exp == 0, man * 0.5, (2.0 + man) * (1 << exp).to(tl.float32) * 0.25)
+        values = tl.where(code >= 8, -mag, mag)
+    return values
+
+
+@triton.jit
+def _scale(s_ptr, rows, cols, k0, mask, mask_n, bn, bk, stride_sn, stride_sk, ONE_K_BLOCK: tl.constexpr):
+    """The fp32 scales of weight tile (cols, rows): `[1, BLOCK_N]` when the tile lies in one scale
+    column (the usual case, one load a row), else one per element `[BLOCK_K, BLOCK_N]`."""
+    if ONE_K_BLOCK:
+        s = tl.load(s_ptr + (rows // bn) * stride_sn + (k0 // bk) * stride_sk, mask=mask_n, other=0)[None, :]
+    else:
+        s = tl.load(s_ptr + (rows // bn)[None, :] * stride_sn + (cols // bk)[:, None] * stride_sk, mask=mask, other=0)
+    if s_ptr.dtype.element_ty == tl.uint8:
+        # UE8M0 2^(b - 127) as fp32 bits: the exponent field b, or for b = 0 the subnormal 2^-127
+        s = tl.where(s == 0, 0x400000, s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def weight_dot(acc, a, w_ptr, s_ptr, rows, k0, offs_k, mask_n, mask_k, bn, bk, stride_wn, stride_wk,
+               stride_sn, stride_sk, FORMAT: tl.constexpr, ONE_K_BLOCK: tl.constexpr,
+               PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc `[BLOCK_M, BLOCK_N]` + a `[BLOCK_M, BLOCK_K]` · W[rows, k0 + offs_k]ᵀ, W read as
+    `GemmWeights` of FORMAT."""
+    cols = k0 + offs_k
+    mask = mask_k[:, None] & mask_n[None, :]
+    byte_cols = cols // 2 if FORMAT == WEIGHTS_FP4 else cols
+    w = tl.load(w_ptr + rows[None, :] * stride_wn + byte_cols[:, None] * stride_wk, mask=mask, other=0.0)
+    if FORMAT != WEIGHTS_PLAIN:
+        w = _decode(w, cols, FORMAT) * _scale(s_ptr, rows, cols, k0, mask, mask_n, bn, bk, stride_sn, stride_sk,
+                                              ONE_K_BLOCK)
+        if UPCAST and a.dtype == tl.bfloat16:
+            w = round_to_bf16(w)  # the interpreter's cast to bf16 truncates; a GPU's rounds to nearest
+        else:
+            w = w.to(a.dtype)
+    if UPCAST:
+        a, w = a.to(tl.float32), w.to(tl.float32)
+    return tl.dot(a, w, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -66,10 +162,11 @@ def _tile(sched_ptr, num_tiles, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_swiglu_kernel(x_ptr, w_ptr, h_ptr, token_ptr, sched_ptr, num_tiles, D, I, limit,
-                           stride_xt, stride_xd, stride_we, stride_wn, stride_wd, stride_ht, stride_hi,
-                           PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_swiglu_kernel(x_ptr, h_ptr, token_ptr, sched_ptr, num_tiles, D, I, limit,
+                           w_ptr, s_ptr, bn, bk, stride_we, stride_wn, stride_wd, stride_se, stride_sn, stride_sd,
+                           stride_xt, stride_xd, stride_ht, stride_hi,
+                           FORMAT: tl.constexpr, ONE_K_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                           UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[rows, n-block] = swiglu(x[token[rows]] · gate_e^T, x[token[rows]] · up_e^T)."""
     expert, rows, mask_m = _tile(sched_ptr, num_tiles, BLOCK_M)
     if expert < 0:
@@ -78,26 +175,21 @@ def _gate_up_swiglu_kernel(x_ptr, w_ptr, h_ptr, token_ptr, sched_ptr, num_tiles,
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
+    w_ptr += expert * stride_we
+    s_ptr += expert * stride_se
 
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xd
-    # gate rows are gate_up[e, :I], up rows gate_up[e, I:]; both read as [BLOCK_K, BLOCK_N]
-    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wd
-    u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         mask_k = offs_k < D - k0
         a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w_mask = mask_k[:, None] & mask_n[None, :]
-        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
-        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
-        if UPCAST:
-            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        # gate rows are gate_up[e, :I], up rows gate_up[e, I:]
+        acc_g = weight_dot(acc_g, a, w_ptr, s_ptr, offs_n, k0, offs_k, mask_n, mask_k, bn, bk, stride_wn,
+                           stride_wd, stride_sn, stride_sd, FORMAT, ONE_K_BLOCK, PRECISION, UPCAST)
+        acc_u = weight_dot(acc_u, a, w_ptr, s_ptr, offs_n + I, k0, offs_k, mask_n, mask_k, bn, bk, stride_wn,
+                           stride_wd, stride_sn, stride_sd, FORMAT, ONE_K_BLOCK, PRECISION, UPCAST)
         x_ptrs += BLOCK_K * stride_xd
-        g_ptrs += BLOCK_K * stride_wd
-        u_ptrs += BLOCK_K * stride_wd
 
     gate = tl.minimum(acc_g, limit)
     up = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -107,9 +199,10 @@ def _gate_up_swiglu_kernel(x_ptr, w_ptr, h_ptr, token_ptr, sched_ptr, num_tiles,
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, out_ptr, pair_ptr, weight_ptr, sched_ptr, num_tiles, D, I,
-                 stride_ht, stride_hi, stride_we, stride_wd, stride_wi, stride_ot, stride_od,
-                 PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+def _down_kernel(h_ptr, out_ptr, pair_ptr, weight_ptr, sched_ptr, num_tiles, D, I,
+                 w_ptr, s_ptr, bn, bk, stride_we, stride_wd, stride_wi, stride_se, stride_sd, stride_si,
+                 stride_ht, stride_hi, stride_ot, stride_od,
+                 FORMAT: tl.constexpr, ONE_K_BLOCK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[pair[rows], n-block] = weight[pair[rows]] · (h[rows] · down_e^T), one row per pair."""
     expert, rows, mask_m = _tile(sched_ptr, num_tiles, BLOCK_M)
@@ -118,19 +211,17 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, pair_ptr, weight_ptr, sched_ptr, num_til
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
     offs_k = tl.arange(0, BLOCK_K)
+    w_ptr += expert * stride_we
+    s_ptr += expert * stride_se
 
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + offs_k[None, :] * stride_hi
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wd + offs_k[:, None] * stride_wi
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         mask_k = offs_k < I - k0
         a = tl.load(h_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = weight_dot(acc, a, w_ptr, s_ptr, offs_n, k0, offs_k, mask_n, mask_k, bn, bk, stride_wd, stride_wi,
+                         stride_sd, stride_si, FORMAT, ONE_K_BLOCK, PRECISION, UPCAST)
         h_ptrs += BLOCK_K * stride_hi
-        w_ptrs += BLOCK_K * stride_wi
 
     pairs = tl.load(pair_ptr + rows, mask=mask_m, other=0).to(tl.int64)
     acc *= tl.load(weight_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)[:, None]
@@ -138,7 +229,13 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, pair_ptr, weight_ptr, sched_ptr, num_til
     tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _block(size: int, most: int) -> int:
+def dot_settings(dtype: torch.dtype) -> tuple[str, bool]:
+    """(PRECISION, UPCAST) for activations of `dtype`: see the notes above the kernels."""
+    upcast = os.environ.get("TRITON_INTERPRET") == "1"
+    return "ieee" if upcast or dtype == torch.float32 else "tf32", upcast  # only fp32 operands read it
+
+
+def tile_edge(size: int, most: int) -> int:
     """A power-of-two tile edge covering `size`, at least 16 (tl.dot's minimum) and at most `most`."""
     return min(most, max(16, triton.next_power_of_2(size)))
 
@@ -168,35 +265,41 @@ def moe_ffn_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     Accumulates in fp32 (also across the k experts of a token, then casts once), and writes each
     (token, slot) row once before a sum over k: no atomics, so results are bit-reproducible.
     """
-    num_tokens, k = ids.shape
-    num_experts, two_i, hidden = gate_up.shape
-    inter = two_i // 2
     if not x.dtype == gate_up.dtype == down.dtype:
         raise ValueError(f"moe_ffn_triton needs one dtype for x, gate_up and down; got {x.dtype}, "
                          f"{gate_up.dtype}, {down.dtype}: cast the activations to the weights' dtype")
+    return grouped_moe_ffn(x, ids, weights, GemmWeights.plain(gate_up), GemmWeights.plain(down), limit)
+
+
+def grouped_moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: GemmWeights,
+                    down: GemmWeights, limit: float) -> torch.Tensor:
+    """`moe_ffn_triton` over experts in any `GemmWeights` format: gate_up for `[E, 2I, D]`, down for
+    `[E, D, I]` (sizes as the codes stand for them) -> `[T, D]` in x's dtype."""
+    num_tokens, k = ids.shape
+    num_experts, two_i = gate_up.data.shape[:2]
+    hidden, inter = x.shape[1], two_i // 2
     pairs = num_tokens * k
     if pairs == 0:
         return torch.zeros_like(x)
     order, counts = group_by_expert(ids, num_experts)
     token = (order // k).to(torch.int32)
     # small segments (decode) want 16-row tiles, long ones (prefill) 64
-    block_m = _block(pairs // min(num_experts, pairs), 64)
+    block_m = tile_edge(pairs // min(num_experts, pairs), 64)
     max_tiles = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
     sched = tile_schedule(counts, block_m, max_tiles)
-    upcast = os.environ.get("TRITON_INTERPRET") == "1"
-    precision = "ieee" if upcast or x.dtype == torch.float32 else "tf32"  # only fp32 operands read it
+    precision, upcast = dot_settings(x.dtype)
 
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k = _block(inter, 64), _block(hidden, 64)
+    block_n, (block_k, one_k_block) = tile_edge(inter, 64), gate_up.k_tile(hidden, 64)
     _gate_up_swiglu_kernel[(max_tiles, triton.cdiv(inter, block_n))](
-        x, gate_up, h, token, sched, max_tiles, hidden, inter, float(limit),
-        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), h.stride(0), h.stride(1),
+        x, h, token, sched, max_tiles, hidden, inter, float(limit), *gate_up.args(),
+        x.stride(0), x.stride(1), h.stride(0), h.stride(1), FORMAT=gate_up.fmt, ONE_K_BLOCK=one_k_block,
         PRECISION=precision, UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
 
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    block_n, block_k = _block(hidden, 128), _block(inter, 64)
+    block_n, (block_k, one_k_block) = tile_edge(hidden, 128), down.k_tile(inter, 64)
     _down_kernel[(max_tiles, triton.cdiv(hidden, block_n))](
-        h, down, out, order.to(torch.int32), weights.reshape(-1), sched, max_tiles, hidden, inter,
-        h.stride(0), h.stride(1), down.stride(0), down.stride(1), down.stride(2), out.stride(0), out.stride(1),
+        h, out, order.to(torch.int32), weights.reshape(-1), sched, max_tiles, hidden, inter, *down.args(),
+        h.stride(0), h.stride(1), out.stride(0), out.stride(1), FORMAT=down.fmt, ONE_K_BLOCK=one_k_block,
         PRECISION=precision, UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out.view(num_tokens, k, hidden).sum(1).to(x.dtype)

@@ -79,17 +79,22 @@ def dequantize_fp8_torch(q: torch.Tensor, scales: torch.Tensor, block: int,
 def quantize_fp4_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[N, D]` -> (packed uint8 `[N, ceil(D/2)]`, scales float32 `[N, ceil(D/block)]`)."""
     _check(x, block, fp4=True)
-    n, d = x.shape
+    d = x.shape[1]
     xb = _blocks(x, block)
     scales = _scales(xb, FP4_MAX)
-    y = (xb / scales.unsqueeze(-1)).flatten(1)[:, :d]
+    return encode_fp4((xb / scales.unsqueeze(-1)).flatten(1)[:, :d]), scales
+
+
+def encode_fp4(y: torch.Tensor) -> torch.Tensor:
+    """Scaled values y `[N, D]` (|y| ≤ 6) -> packed uint8 `[N, ceil(D/2)]`: each rounded to the nearest
+    e2m1 code, ties to even, two codes a byte."""
     a = y.abs()
     code = torch.zeros_like(y, dtype=torch.uint8)
     for mid, up_at_tie in _FP4_UP_AT_TIE:
         code += (a >= mid if up_at_tie else a > mid).to(torch.uint8)
     code |= torch.signbit(y).to(torch.uint8) << 3
-    pairs = F.pad(code, (0, d % 2)).view(n, -1, 2)
-    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous(), scales
+    pairs = F.pad(code, (0, y.shape[1] % 2)).view(y.shape[0], -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
 
 
 def dequantize_fp4_torch(packed: torch.Tensor, scales: torch.Tensor, block: int, D: int,

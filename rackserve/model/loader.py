@@ -1,26 +1,40 @@
 """Load a DeepSeek-V4 safetensors checkpoint (single file or sharded) into our model.
 
-Tensor names are the Hugging Face ones (`model.layers.0.self_attn.q_a_proj.weight`, …). Norms,
-mHC, sinks, position biases and the router's correction bias stay fp32 whatever the checkpoint
-dtype, as in the reference; every other weight takes the model dtype. The MTP layers' tensors
-(`mtp.N.*`, see `rackserve.model.mtp`) load like the rest; a checkpoint with none of them (one
-saved by transformers, which drops them) gives a model without MTP layers.
+Tensor names may be DeepSeek's as published (`layers.0.attn.wq_a.weight`, per-expert `ffn.experts.E.w1`
+…), transformers' (the same behind `model.`, or its in-memory names) or ours; `checkpoint_names` maps
+them. Weights stored quantized (FP8 with block scales, FP4 routed experts; a weight with a scale beside
+it) stay so in memory (`weights="stored"`, see `model.quantized`) or are dequantized once at load
+(`"dequantize"`). Norms, mHC, sinks, position biases and the router's correction bias stay fp32 whatever
+the checkpoint dtype, as in the reference; every other unquantized weight takes the model dtype. The
+MTP layers' tensors (`mtp.N.*`, see `rackserve.model.mtp`) load like the rest; a checkpoint with none of
+them (one saved by transformers, which drops them) gives a model without MTP layers.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from rackserve.config import ModelConfig
+from rackserve.config import WEIGHTS, ModelConfig
+from rackserve.kernels.block_scaled import ScaleGridError, block_of
+from rackserve.model.checkpoint_names import Target, ours
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.model.quantized import SCALE_SUFFIX, dequantize_modules, quantize_modules
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FP32_MARKERS = ("_hc.", "hc_head.", "sinks", "position_bias", "norm.weight", "e_score_correction_bias")
 _MTP_PREFIX = "mtp."
+# safetensors' dtype names
+_FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
+                "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32,
+                "I64": torch.int64}
+_CODE_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
 class CheckpointError(ValueError):
@@ -59,72 +73,173 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
         if not keeps_fp32(name):
             p.data = p.data.to(dtype)
     if materialize:
-        model.to_empty(device=device)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
+        _materialize(model, device)
     return model.eval()
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
-               device: torch.device | str = "cpu") -> DeepseekV4ForCausalLM:
+def _materialize(model: DeepseekV4ForCausalLM, device: torch.device | str) -> None:
+    model.to_empty(device=device)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+               weights: str = "stored") -> DeepseekV4ForCausalLM:
     """Build the model of the checkpoint at `path` and load its weights.
 
-    `dtype` defaults to the checkpoint's (`dtype` / `torch_dtype` in config.json).
+    `dtype` defaults to the checkpoint's (`dtype` / `torch_dtype` in config.json). `weights`: "stored"
+    keeps quantized weights as the files hold them, "dequantize" turns them into `dtype` at load.
     """
+    if weights not in WEIGHTS:
+        raise CheckpointError(f"weights={weights!r}: use one of {WEIGHTS}")
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     dtype = _DTYPES[dtype or config.dtype] if not isinstance(dtype, torch.dtype) else dtype
-    model = build_model(config, dtype, device)
-    load_weights(model, checkpoint_files(path))
+    model = build_model(config, dtype, materialize=False)
+    load_weights(model, checkpoint_files(path), device)
+    if weights == "dequantize":
+        dequantize_modules(model, dtype)
     return model
 
 
-def load_weights(model: DeepseekV4ForCausalLM, files: list[Path]) -> None:
-    """Copy every tensor of `files` into `model`; raise listing missing, unexpected and mis-shaped ones."""
-    if not any(name.startswith(_MTP_PREFIX) for name in _tensor_names(files)):
+@dataclass
+class _Entry:
+    """One tensor of the files: its file, shape, dtype, and where it goes."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    target: Target
+
+
+def load_weights(model: DeepseekV4ForCausalLM, files: list[Path], device: torch.device | str = "cpu") -> None:
+    """Materialise `model` (built on the meta device) on `device` with the tensors of `files`, quantized
+    where the files are; raise listing missing, unknown and mis-shaped tensors."""
+    entries = _index(files)
+    if not any(e.target.name.startswith(_MTP_PREFIX) for e in entries.values()):
         model.drop_mtp()
+    names = set(model.state_dict())
+    unexpected = [n for n, e in entries.items() if e.target.name.removesuffix(SCALE_SUFFIX) not in names]
+    for name in unexpected:
+        del entries[name]
+    quantize_modules(model, _stored_shapes(model, entries))
+    _materialize(model, device)
     targets = dict(model.state_dict(keep_vars=True))
     if model.config.tie_word_embeddings:
         targets.pop("lm_head.weight", None)
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    misshaped: list[str] = []
-    for file in files:
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-            raise CheckpointError(f"cannot read {file}: {e}; the file is truncated or not safetensors") from None
-        with handle as f:
-            for name in f.keys():
-                target = targets.get(name)
-                if target is None:
-                    unexpected.append(name)
-                    continue
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(target.shape):
-                    misshaped.append(f"{name}: checkpoint {list(shape)} vs model {list(target.shape)}")
+    orphans = [n for n, e in entries.items() if e.target.name not in targets]  # e.g. a scale of a BF16 weight
+    for name in orphans:
+        del entries[name]
+    unexpected = sorted(unexpected + orphans)
+    seen: defaultdict[str, set[tuple[int | None, int]]] = defaultdict(set)
+    misshaped = []
+    by_file = defaultdict(list)
+    for name, entry in entries.items():
+        by_file[entry.file].append(name)
+    for file, file_names in by_file.items():
+        with _open(file) as f:
+            for name in file_names:
+                entry = entries[name]
+                dest = _part(targets[entry.target.name], entry)
+                if tuple(dest.shape) != entry.shape:
+                    misshaped.append(f"{name}: checkpoint {list(entry.shape)} vs model {list(dest.shape)}")
                     continue
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as e:
                     raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from None
                 with torch.no_grad():
-                    target.data.copy_(tensor.to(target.dtype))
-                seen.add(name)
-    missing = sorted(set(targets) - seen)
+                    dest.copy_(tensor if tensor.dtype == dest.dtype else tensor.to(dest.dtype))
+                seen[entry.target.name].add((entry.target.expert, entry.target.half))
+    missing = sorted(_missing(targets, seen, entries))
     if missing or unexpected or misshaped:
         raise CheckpointError(_mismatch_message(missing, unexpected, misshaped))
 
 
-def _tensor_names(files: list[Path]) -> list[str]:
-    names = []
+def _index(files: list[Path]) -> dict[str, _Entry]:
+    """Every tensor of `files`, by its name in the files."""
+    entries = {}
     for file in files:
+        with _open(file) as f:
+            for name in f.keys():
+                info = f.get_slice(name)
+                entries[name] = _Entry(file, tuple(info.get_shape()), _FILE_DTYPES.get(info.get_dtype(), torch.float32),
+                                       ours(name))
+    return entries
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        raise CheckpointError(f"cannot read {file}: {e}; the file is truncated or not safetensors") from None
+
+
+def _stored_shapes(model: DeepseekV4ForCausalLM,
+                   entries: dict[str, _Entry]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{our weight name: (codes, scales) on the meta device} for the weights the files hold quantized.
+    Per-expert tensors stack into one `[E, rows, …]` tensor (gate_up: w1 rows, then w3)."""
+    parts: defaultdict[str, dict[tuple[int | None, int], _Entry]] = defaultdict(dict)
+    for entry in entries.values():
+        parts[entry.target.name][entry.target.expert, entry.target.half] = entry
+    stored = {}
+    for name, codes in parts.items():
+        first = next(iter(codes.values()))
+        if first.dtype not in _CODE_DTYPES:
+            continue
+        scales = parts.get(name + SCALE_SUFFIX)
+        if not scales:
+            raise CheckpointError(f"{_disk_name(entries, first)} is stored as {first.dtype} codes but has no scale "
+                                  "beside it (`.scale` or `weight_scale_inv`); the checkpoint is incomplete")
+        meta = (_stack(codes, model, name), _stack(scales, model, name))
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                names.extend(f.keys())
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-            raise CheckpointError(f"cannot read {file}: {e}; the file is truncated or not safetensors") from None
-    return names
+            block_of(*meta)
+        except ScaleGridError as e:
+            raise CheckpointError(f"{_disk_name(entries, first)} and its scale: {e}") from None
+        stored[name] = meta
+    return stored
+
+
+def _stack(parts: dict[tuple[int | None, int], _Entry], model: DeepseekV4ForCausalLM, name: str) -> torch.Tensor:
+    """A meta tensor of the shape and dtype that `parts` (one tensor, or one per (expert, half)) make together."""
+    first = next(iter(parts.values()))
+    if first.target.expert is None:
+        return torch.empty(first.shape, dtype=first.dtype, device="meta")
+    halves = 1 + max(half for _, half in parts)
+    experts = model.get_submodule(name.rpartition(".")[0]).gate_up_proj.shape[0]
+    return torch.empty(experts, halves * first.shape[0], *first.shape[1:], dtype=first.dtype, device="meta")
+
+
+def _part(dest: torch.Tensor, entry: _Entry) -> torch.Tensor:
+    """The slice of our tensor `dest` that a file tensor fills: all of it, or one expert's rows."""
+    if entry.target.expert is None:
+        return dest.data
+    rows = entry.shape[0]
+    return dest.data[entry.target.expert, entry.target.half * rows:(entry.target.half + 1) * rows]
+
+
+def _missing(targets: dict[str, torch.Tensor], seen: dict[str, set], entries: dict[str, _Entry]) -> list[str]:
+    """Our tensors (or, for merged experts, the files' per-expert names) that no file tensor filled."""
+    missing = []
+    for name, tensor in targets.items():
+        got = seen.get(name, set())
+        if (None, 0) in got:
+            continue
+        if not got:
+            missing.append(name)
+            continue
+        halves = 1 + max(h for _, h in got)
+        example = next(n for n, e in entries.items() if e.target.name == name)
+        for expert in range(tensor.shape[0]):
+            for half in range(halves):
+                if (expert, half) not in got:
+                    w = 2 if halves == 1 else (1, 3)[half]
+                    missing.append(re.sub(r"experts\.\d+\.w\d", f"experts.{expert}.w{w}", example))
+    return missing
+
+
+def _disk_name(entries: dict[str, _Entry], entry: _Entry) -> str:
+    return next(n for n, e in entries.items() if e is entry)
 
 
 def _mismatch_message(missing: list[str], unexpected: list[str], misshaped: list[str], show: int = 8) -> str:

@@ -53,7 +53,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stored as 3-D tensors: gate_up `[E, 2I, D]`, down `[E, D, I]`."""
+    """Routed experts stored as 3-D tensors: gate_up `[E, 2I, D]`, down `[E, D, I]`, in the model dtype or
+    as a published checkpoint stores them (FP8 / FP4 codes plus `*_scale_inv` grids, `model.quantized`)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -62,9 +63,28 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.zeros(e, d, i))
 
+    @property
+    def quantized(self) -> bool:
+        return hasattr(self, "gate_up_proj_scale_inv")
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x `[T, D]`, ids/weights `[T, k]` -> Σ_k weight · expert(x) `[T, D]`."""
+        if self.quantized:
+            return dispatch.moe_ffn_quantized(x, ids, weights, self.gate_up_proj, self.gate_up_proj_scale_inv,
+                                              self.down_proj, self.down_proj_scale_inv, self.limit)
         return dispatch.moe_ffn(x, ids, weights, self.gate_up_proj, self.down_proj, self.limit)
+
+    def rows(self) -> torch.Tensor:
+        """Every tensor of each expert as one byte row `[E, bytes]`: what moves when experts move, in
+        the stored format (codes and scales as they are)."""
+        return torch.cat([t.detach().contiguous().view(torch.uint8).flatten(1) for t in self.parameters()], dim=1)
+
+    def set_rows(self, rows: torch.Tensor) -> None:
+        """Hold the experts of byte rows `[E', bytes]` laid out as `rows()` gives them."""
+        widths = [t[:1].numel() * t.element_size() for t in self.parameters()]
+        for (name, t), part in zip(list(self.named_parameters()), rows.split(widths, dim=1), strict=True):
+            value = part.contiguous().view(t.dtype).view(len(rows), *t.shape[1:])
+            setattr(self, name, nn.Parameter(value, requires_grad=False))
 
 
 class SharedExpert(nn.Module):
@@ -100,23 +120,15 @@ class MoE(nn.Module):
         A rank without slots (attention-only, split mode) keeps no experts and only sends tokens.
         """
         mine = phy2log[ep.local_slots.start:ep.local_slots.stop].to(self.gate.weight.device)
-        self._set_experts(self.experts.gate_up_proj.data[mine], self.experts.down_proj.data[mine])
+        self.experts.set_rows(self.experts.rows()[mine])
         self.ep = ep
         self._set_layout(phy2log)
 
     def relayout(self, phy2log: torch.Tensor) -> None:
         """Move to a new slot layout `[num_slots]`: this rank receives the weights of its new slots
-        from the ranks that hold them now. Every rank of the gang must call it at the same time."""
-        experts = self.experts
-        rows = torch.cat([experts.gate_up_proj.flatten(1), experts.down_proj.flatten(1)], dim=1)
-        rows = self.ep.move_rows(self.phy2log, phy2log.to(self.phy2log.device), rows)
-        gate_up, down = rows.split([experts.gate_up_proj.shape[1:].numel(), experts.down_proj.shape[1:].numel()], dim=1)
-        self._set_experts(gate_up.view_as(experts.gate_up_proj), down.view_as(experts.down_proj))
+        from the ranks that hold them now, as stored. Every rank of the gang must call it at the same time."""
+        self.experts.set_rows(self.ep.move_rows(self.phy2log, phy2log.to(self.phy2log.device), self.experts.rows()))
         self._set_layout(phy2log)
-
-    def _set_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        self.experts.gate_up_proj = nn.Parameter(gate_up.clone(), requires_grad=False)
-        self.experts.down_proj = nn.Parameter(down.clone(), requires_grad=False)
 
     def _set_layout(self, phy2log: torch.Tensor) -> None:
         """The slot maps of a layout, and a fresh count of tokens per physical slot `[num_slots]`."""

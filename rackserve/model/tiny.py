@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from rackserve.config import CSA, HCA, SLIDING, ModelConfig
+from rackserve.config import CSA, HCA, SLIDING, ModelConfig, QuantConfig
 from rackserve.model.loader import build_model
 from rackserve.model.tokenizer import CHAT_TEMPLATE, save_tokenizer, train_byte_bpe
 
@@ -105,16 +105,34 @@ def _random_value(name: str, shape: torch.Size, g: torch.Generator, n_experts: i
     return randn(1 / math.sqrt(shape[-1]))  # projections [.., out, in]: unit-variance outputs for unit-variance inputs
 
 
-def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None, hot_experts: int = 0) -> Path:
+FORMATS = ("ours", "published")
+QUANTS = ("none", "fp8", "fp4")
+# FP8 blocks of the tiny published checkpoints: DeepSeek's 128 × 128 would make every tiny matrix one block
+TINY_FP8_BLOCK = (32, 32)
+
+
+def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None, hot_experts: int = 0,
+              fmt: str = "ours", quant: str = "none", scale_fmt: str = "ue8m0") -> Path:
     """Write a tiny random checkpoint (weights, config, tokenizer) into `path`; returns `path`.
 
     `config` overrides fields of the default tiny config.json. `hot_experts` > 0 lifts the learned
     routers' correction bias of experts `0 … hot_experts-1` by 1.0, so they are picked far more
     often than the others: skewed expert load, as EPLB meets it in real traffic.
+    `fmt="published"` writes it as DeepSeek publishes V4 (see `model.published`): `quant` "fp8" (FP8
+    linears and experts) or "fp4" (FP8 linears, FP4 experts), scales in `scale_fmt` ("ue8m0" or "float");
+    config dtype stays float32, so tests compare in fp32.
     """
+    from rackserve.model.published import save_published
+
+    if fmt not in FORMATS or quant not in QUANTS or (fmt == "ours" and quant != "none"):
+        raise ValueError(f"format {fmt!r} with quant {quant!r}: use a format from {FORMATS} and a quant from "
+                         f"{QUANTS} (quantized weights need the published format)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     raw = {**TINY_CONFIG, **(config or {})}
+    if quant != "none":
+        raw["quantization_config"] = QuantConfig(weight_block_size=TINY_FP8_BLOCK, scale_fmt=scale_fmt,
+                                                 expert_dtype=quant).to_dict()
     cfg = ModelConfig.from_dict(raw)
     model = build_model(cfg, torch.float32)
     randomize(model, seed)
@@ -122,11 +140,16 @@ def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None, hot_e
         for layer in [*model.model.layers, *model.mtp]:
             if not layer.mlp.gate.hashed:
                 layer.mlp.gate.e_score_correction_bias[:hot_experts] += 1.0
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-    # write to a temporary name first so a crash never leaves a half-written checkpoint behind
-    tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path / "model.safetensors")
+    for stale in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    if fmt == "published":
+        save_published(model, path, cfg.quantization)
+    else:
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+        # write to a temporary name first so a crash never leaves a half-written checkpoint behind
+        tmp = path / "model.safetensors.tmp"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        tmp.replace(path / "model.safetensors")
     save_tokenizer(train_byte_bpe(cfg.vocab_size), path)
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     return path

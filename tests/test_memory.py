@@ -1,0 +1,44 @@
+"""`rackserve memory`: weight bytes per GPU on the meta device equal what `load_model` holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rackserve.cli import main as cli
+from rackserve.config import ConfigError, EngineConfig, ModelConfig, QuantConfig
+from rackserve.model import load_model
+from rackserve.model.memory import weight_bytes
+from rackserve.model.tiny import TINY_FP8_BLOCK, make_tiny
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8", "fp4"])
+def test_meta_figures_equal_what_the_loader_holds(tmp_path, quant):
+    path = make_tiny(tmp_path, seed=1, fmt="published", quant=quant)
+    held = sum(t.numel() * t.element_size() for t in load_model(path, dtype=torch.bfloat16).state_dict().values())
+    config = ModelConfig.from_pretrained(path)
+    q = None if quant == "none" else QuantConfig(weight_block_size=TINY_FP8_BLOCK, scale_fmt="ue8m0", expert_dtype=quant)
+    assert weight_bytes(config, q).full_copy == held
+
+
+def test_memory_of_the_gb300_deployment(capsys):
+    assert cli(["memory", "--config", "deploy/gb300-nvl72.yaml", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    gib = report["gib"]
+    prefill, decode = gib["prefill DEP2 rank: dense + 128 slots"], gib["decode DEP32 rank: dense + 9 slots"]
+    assert decode["FP8+FP4"] < decode["FP8"] < decode["bf16"]
+    # FP4 experts hold (0.5 + 1/32) bytes a weight, FP8 (1 + 1/128²·1): about half
+    slot = gib["one routed-expert slot"]
+    assert slot["FP8+FP4"] / slot["bf16"] == pytest.approx((0.5 + 1 / 32) / 2, rel=1e-3)
+    assert slot["FP8"] / slot["bf16"] == pytest.approx((1 + 1 / 128**2) / 2, rel=1e-3)
+    assert prefill["FP8+FP4"] < 268 < prefill["bf16"]  # a GB300 holds a prefill rank only quantized
+    assert cli(["memory", "--config", "deploy/gb300-nvl72.yaml"]) == 0
+    assert "V4-Flash as FP8+FP4" in capsys.readouterr().out
+
+
+def test_engine_weights_setting_is_checked():
+    assert EngineConfig(weights="dequantize").weights == "dequantize"
+    with pytest.raises(ConfigError, match="weights='fp16' must be one of"):
+        EngineConfig(weights="fp16")
