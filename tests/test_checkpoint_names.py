@@ -115,7 +115,7 @@ def test_the_table_renames_as_transformers_does():
     for name in reference.state_dict():
         for theirs, target in published(name, config.n_routed_experts):
             assert renamed(theirs) == ours(theirs).name
-            # scales of linears (transformers pairs the experts' scales itself and never quantizes the embedding or head)
+            # scales of linears (transformers pairs the experts' scales itself, never quantizes embedding or head)
             if theirs.endswith(".weight") and target.expert is None and not theirs.startswith(("embed.", "head.")):
                 scale = theirs.removesuffix("weight") + "scale"
                 assert renamed(scale) == ours(scale).name

@@ -1,6 +1,6 @@
 """A P/D deployment on the session's Ray cluster (a DEP1 prefill instance, a DEP2 decode instance with
-EPLB, one KV store; real NIXL between the actors; the published FP8+FP4 checkpoint): outputs equal the single-process engine's, a session's
-second turn prefills only its new text, and a killed prefill rank or KV store costs recomputation,
+EPLB, one KV store; real NIXL between the actors; the published FP8+FP4 checkpoint): outputs equal
+the single-process engine's, a session's second turn prefills only its new text, and a killed prefill rank or KV store costs recomputation,
 not requests (on a deployment of its own); requests submitted at once from many threads all reach
 the decode ranks within a few steps."""
 

@@ -145,11 +145,11 @@ def assert_ranked_like(order: torch.Tensor, valid: torch.Tensor, ref: torch.Tens
     torch.testing.assert_close(picked[valid], best[valid], atol=tol * mag, rtol=0)
 
 
-TOPK_CASES = [(4, 3), (4, 40), (2, 300)]  # (T, E): fewer candidates than k, one block, several
+# (T, E, k): fewer candidates than k; one block of candidates with k from 1 to more than E; several blocks
+TOPK_CASES = [(4, 3, 5), (4, 40, 1), (4, 40, 5), (4, 40, 16), (4, 40, 50), (2, 300, 5), (2, 300, 50)]
 
 
-@pytest.mark.parametrize("k", [1, 5, 16, 50])
-@pytest.mark.parametrize("t,e", TOPK_CASES)
+@pytest.mark.parametrize("t,e,k", TOPK_CASES)
 def test_indexer_topk_ranks_like_the_reference_up_to_near_ties(t, e, k):
     """Random fp32 inputs with keys repeated at several positions and zero keys. A repeated key's
     scores may differ in the last bits between positions (summation order depends on the tile and
@@ -171,8 +171,7 @@ def test_indexer_topk_ranks_like_the_reference_up_to_near_ties(t, e, k):
     assert_ranked_like(*top_entries(indexer_scores_triton(*args), k), ref, 1e-5)
 
 
-@pytest.mark.parametrize("k", [1, 5, 16, 50])
-@pytest.mark.parametrize("t,e", TOPK_CASES)
+@pytest.mark.parametrize("t,e,k", TOPK_CASES)
 def test_indexer_topk_breaks_exact_ties_by_lowest_position(t, e, k):
     """Small integers with d = 16 (so d^-½ = 1/4): every product and sum is exact in fp32 whatever
     the summation order, so scores are identical on any hardware and tie often (zero keys, repeated

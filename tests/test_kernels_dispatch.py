@@ -1,20 +1,15 @@
-"""The kernel dispatcher, and the whole model with every op forced onto its Triton kernel.
-
-The forced run happens in a subprocess because the Triton interpreter must be switched on
-(`TRITON_INTERPRET=1`) before triton is first imported.
-"""
+"""The kernel dispatcher, and the whole model with every op forced onto its Triton kernel."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from conftest import new_state, prompt, step
+from rackserve.config import CSA, HCA, SLIDING
 from rackserve.kernels import dispatch
+from rackserve.model import load_model
+from rackserve.model.tiny import make_tiny
 
 
 def test_backend_choice(monkeypatch):
@@ -38,38 +33,31 @@ def test_every_op_has_a_torch_reference():
         assert callable(dispatch.implementation(op, torch.device("cpu")))
 
 
-# 38 prompt tokens cross the tiny model's window (16) and HCA rate (16) twice, and give 9 complete CSA
-# entries, more than its index_topk (8), so the indexer chooses; the 2nd decode step completes a
-# 10th. The Triton interpreter runs one program per token for mHC, so every token costs here.
-FORCED = r"""
-import json, sys, torch
-sys.path.insert(0, "tests")
-from conftest import new_state, prompt, step
-from rackserve.kernels import dispatch
-from rackserve.model import load_model
-model = load_model(sys.argv[1])
-ids = prompt(38, seed=5)
-state = new_state(model)
-handle = state.allocate()
-logits = [step(model, state, [(handle, ids)], all_logits=True)]
-logits += [step(model, state, [(handle, [t])], all_logits=True) for t in prompt(3, seed=6)]
-triton_ops = sorted(op for op in dispatch.OPS
-                    if dispatch.implementation(op, torch.device("cpu")).__name__.endswith("_triton"))
-torch.save(torch.cat(logits), sys.argv[2])
-print(json.dumps(triton_ops))
-"""
+# A 3-layer published FP8+FP4 checkpoint (FP8 linears, FP4 experts, UE8M0 scales): one layer of each
+# attention type, window 8, CSA every 4 tokens, HCA every 8, index_topk 4. The 22 prompt tokens cross
+# the window and the HCA rate twice and give 5 complete CSA entries, more than index_topk, so the
+# indexer chooses; the decode steps complete a 6th. The interpreter runs one program per token for mHC,
+# so every token costs here. (conftest switched the interpreter on before triton was imported.)
+FORCED_CONFIG = {"num_hidden_layers": 3, "layer_types": [SLIDING, CSA, HCA],
+                 "mlp_layer_types": ["hash_moe", "moe", "moe"], "sliding_window": 8, "compress_rates": {CSA: 4, HCA: 8}, "index_topk": 4}
+
+
+def forced_run(model) -> torch.Tensor:
+    state = new_state(model)
+    handle = state.allocate()
+    logits = [step(model, state, [(handle, prompt(22, seed=5))], all_logits=True)]
+    logits += [step(model, state, [(handle, [t])], all_logits=True) for t in prompt(3, seed=6)]
+    return torch.cat(logits)
 
 
 @pytest.mark.slow
-def test_model_unchanged_with_triton_kernels_forced(tiny_checkpoint, tmp_path):
-    outputs = {}
-    for backend in ("torch", "triton"):
-        env = {**os.environ, dispatch.ENV: backend, "TRITON_INTERPRET": "1"}
-        out = subprocess.run([sys.executable, "-c", FORCED, str(tiny_checkpoint), str(tmp_path / backend)],
-                             capture_output=True, text=True, env=env, timeout=900, cwd=os.getcwd())
-        assert out.returncode == 0, out.stderr[-3000:]
-        outputs[backend] = (json.loads(out.stdout.strip().splitlines()[-1]), torch.load(tmp_path / backend))
-    assert outputs["torch"][0] == []
-    assert outputs["triton"][0], "no op ran as a Triton kernel"
-    diff = (outputs["torch"][1] - outputs["triton"][1]).abs().max().item()
+def test_model_unchanged_with_triton_kernels_forced(tmp_path, monkeypatch):
+    model = load_model(make_tiny(tmp_path, seed=3, config=FORCED_CONFIG, fmt="published", quant="fp4"))
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    want = forced_run(model)
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    got = forced_run(model)
+    ran = [op for op in dispatch.OPS if dispatch.implementation(op, torch.device("cpu")).__name__.endswith("_triton")]
+    assert {"fp8_linear", "moe_ffn_quantized", "mhc_pre", "sink_attention", "indexer_topk"} <= set(ran)
+    diff = (got - want).abs().max().item()
     assert diff < 1e-3, diff

@@ -19,7 +19,8 @@ def test_meta_figures_equal_what_the_loader_holds(tmp_path, quant):
     path = make_tiny(tmp_path, seed=1, fmt="published", quant=quant)
     held = sum(t.numel() * t.element_size() for t in load_model(path, dtype=torch.bfloat16).state_dict().values())
     config = ModelConfig.from_pretrained(path)
-    q = None if quant == "none" else QuantConfig(weight_block_size=TINY_FP8_BLOCK, scale_fmt="ue8m0", expert_dtype=quant)
+    q = None if quant == "none" else QuantConfig(weight_block_size=TINY_FP8_BLOCK, scale_fmt="ue8m0",
+                                                 expert_dtype=quant)
     assert weight_bytes(config, q).full_copy == held
 
 

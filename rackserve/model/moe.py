@@ -81,7 +81,7 @@ class Experts(nn.Module):
 
     def set_rows(self, rows: torch.Tensor) -> None:
         """Hold the experts of byte rows `[E', bytes]` laid out as `rows()` gives them."""
-        widths = [t[:1].numel() * t.element_size() for t in self.parameters()]
+        widths = [t.shape[1:].numel() * t.element_size() for t in self.parameters()]
         for (name, t), part in zip(list(self.named_parameters()), rows.split(widths, dim=1), strict=True):
             value = part.contiguous().view(t.dtype).view(len(rows), *t.shape[1:])
             setattr(self, name, nn.Parameter(value, requires_grad=False))
