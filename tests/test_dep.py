@@ -10,7 +10,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import assert_same_tokens, free_port, new_state, prompt, step
+from rackserve.config import ModelConfig
 from rackserve.model import load_model
+from rackserve.model.memory import weight_bytes
 from rackserve.placement import rebalance
 from rackserve.transfer.ep import ExpertParallel
 
@@ -30,13 +32,18 @@ def run_requests(model, chunks: list[list[int]]) -> torch.Tensor:
     return torch.cat([step(model, state, [(handle, ids)], all_logits=True) for ids in chunks])
 
 
-def sharded_model(checkpoint: str):
-    """The tiny model with this rank's expert slots of a skewed layout (in a process group already)."""
-    model = load_model(checkpoint)
-    layers = model.moe_layers + model.mtp_moe_layers  # one layout row per MoE layer, the MTP layer's last
-    load = torch.rand(len(layers), model.config.n_routed_experts, generator=torch.Generator().manual_seed(5)) ** 3
+def sharded_model(checkpoint: str, load_then_shard: bool = False):
+    """The tiny model with this rank's expert slots of a skewed layout (in a process group already):
+    loading only them (as ranks do), or, with `load_then_shard`, sharding a model loaded whole."""
+    config = ModelConfig.from_pretrained(checkpoint)
+    layers = config.num_hidden_layers + config.num_nextn_predict_layers  # a layout row per MoE layer, MTP last
+    load = torch.rand(layers, config.n_routed_experts, generator=torch.Generator().manual_seed(5)) ** 3
     layout = rebalance(load, num_slots=WORLD * SLOTS_PER_RANK, num_ranks=WORLD)
-    model.shard_experts(ExpertParallel(SLOTS_PER_RANK), torch.as_tensor(layout.phy2log))
+    shard = (ExpertParallel(SLOTS_PER_RANK), torch.as_tensor(layout.phy2log))
+    if not load_then_shard:
+        return load_model(checkpoint, shard=shard)
+    model = load_model(checkpoint)
+    model.shard_experts(*shard)
     return model
 
 
@@ -45,6 +52,13 @@ def worker(rank: int, port: int, checkpoint: str, out_dir: str) -> None:
     try:
         model = sharded_model(checkpoint)
         assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == SLOTS_PER_RANK
+        # reading only this rank's experts gives the tensors (and slot maps) of sharding a whole model
+        whole = sharded_model(checkpoint, load_then_shard=True)
+        want = whole.state_dict()
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, want[name]), name
+        for mine, theirs in zip(model.moe_layers + model.mtp_moe_layers, whole.moe_layers + whole.mtp_moe_layers):
+            assert torch.equal(mine.phy2log, theirs.phy2log) and torch.equal(mine.log2phy, theirs.log2phy)
         torch.save(run_requests(model, requests_of(rank)), f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -99,6 +113,9 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, e
     gang = join(rendezvous_at, rank, WORLD, "test-secret", timeout=60)
     try:
         model = sharded_model(checkpoint)
+        # this rank holds the dense part and its slots' experts, as stored: what `rackserve memory` counts
+        held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        assert held == weight_bytes(model.config, model.config.quantization, torch.float32).rank(SLOTS_PER_RANK)
         config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, eplb_interval=eplb_interval)
         engine = Engine(model, config=config, gang=gang)
         reqs = [engine.add_request(prompt(n, seed=s), SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))

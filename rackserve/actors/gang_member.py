@@ -70,16 +70,15 @@ class GangMember:
             return host, s.getsockname()[1]
 
     def _join(self, spec: GangSpec) -> tuple[DeepseekV4ForCausalLM, EngineConfig]:
-        """Join both groups; load the model holding this rank's expert slots."""
+        """Join both groups; load the model holding (and reading) only this rank's expert slots."""
         config = EngineConfig(**spec.engine_kwargs)
         dist.init_process_group("nccl" if config.device.startswith("cuda") else "gloo", init_method=spec.dist_url,
                                 rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=spec.timeout))
         self.gang = join(tuple(spec.rendezvous_at), self.rank, self.world_size, spec.secret, timeout=spec.timeout)
-        model = load_model(spec.checkpoint, dtype=config.dtype, device=config.device,
-                           weights=config.weights)
-        model.shard_experts(ExpertParallel(spec.slots_per_rank, expert_ranks=range(*spec.expert_ranks)),
-                            torch.tensor(spec.phy2log))
+        ep = ExpertParallel(spec.slots_per_rank, expert_ranks=range(*spec.expert_ranks))
+        model = load_model(spec.checkpoint, dtype=config.dtype, device=config.device, weights=config.weights,
+                           shard=(ep, torch.tensor(spec.phy2log)))
         return model, config
 
     def _start(self) -> None:

@@ -25,6 +25,7 @@ from rackserve.config import WEIGHTS, ModelConfig
 from rackserve.kernels.block_scaled import ScaleGridError, block_of
 from rackserve.model.checkpoint_names import Target, ours
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.model.moe import MoE
 from rackserve.model.quantized import SCALE_SUFFIX, dequantize_modules, quantize_modules
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,14 +82,20 @@ def _materialize(model: DeepseekV4ForCausalLM, device: torch.device | str) -> No
     model.to_empty(device=device)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for layer in model.moe_layers + model.mtp_moe_layers:
+        if layer.ep is not None:  # sharded on the meta device: its slot maps are garbage now
+            layer.set_layout(layer.layout)
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-               weights: str = "stored") -> DeepseekV4ForCausalLM:
+               weights: str = "stored", shard: tuple | None = None) -> DeepseekV4ForCausalLM:
     """Build the model of the checkpoint at `path` and load its weights.
 
     `dtype` defaults to the checkpoint's (`dtype` / `torch_dtype` in config.json). `weights`: "stored"
     keeps quantized weights as the files hold them, "dequantize" turns them into `dtype` at load.
+    `shard`: (expert-parallel transport, phy2log), as `DeepseekV4ForCausalLM.shard_experts` takes them:
+    the experts are sharded before loading, so this rank reads and holds only its own slots' experts
+    (one full copy of V4-Flash's experts is 140 GiB even in FP4).
     """
     if weights not in WEIGHTS:
         raise CheckpointError(f"weights={weights!r}: use one of {WEIGHTS}")
@@ -96,7 +103,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     config = ModelConfig.from_pretrained(path)
     dtype = _DTYPES[dtype or config.dtype] if not isinstance(dtype, torch.dtype) else dtype
     model = build_model(config, dtype, materialize=False)
-    load_weights(model, checkpoint_files(path), device)
+    load_weights(model, checkpoint_files(path), device, shard)
     if weights == "dequantize":
         dequantize_modules(model, dtype)
     return model
@@ -104,17 +111,20 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
 
 @dataclass
 class _Entry:
-    """One tensor of the files: its file, shape, dtype, and where it goes."""
+    """One tensor of the files: its name there, file, shape, dtype, and where it goes."""
 
+    name: str
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
     target: Target
 
 
-def load_weights(model: DeepseekV4ForCausalLM, files: list[Path], device: torch.device | str = "cpu") -> None:
+def load_weights(model: DeepseekV4ForCausalLM, files: list[Path], device: torch.device | str = "cpu",
+                 shard: tuple | None = None) -> None:
     """Materialise `model` (built on the meta device) on `device` with the tensors of `files`, quantized
-    where the files are; raise listing missing, unknown and mis-shaped tensors."""
+    where the files are, its experts sharded first if `shard` says so (see `load_model`); raise listing
+    missing, unknown and mis-shaped tensors."""
     entries = _index(files)
     if not any(e.target.name.startswith(_MTP_PREFIX) for e in entries.values()):
         model.drop_mtp()
@@ -123,7 +133,11 @@ def load_weights(model: DeepseekV4ForCausalLM, files: list[Path], device: torch.
     for name in unexpected:
         del entries[name]
     quantize_modules(model, _stored_shapes(model, entries))
+    if shard is not None:
+        model.shard_experts(*shard)
     _materialize(model, device)
+    # the logical expert of each slot of a sharded MoE layer's experts
+    held = {f"{name}.experts": m.local_experts for name, m in model.named_modules() if isinstance(m, MoE) and m.ep}
     targets = dict(model.state_dict(keep_vars=True))
     if model.config.tie_word_embeddings:
         targets.pop("lm_head.weight", None)
@@ -134,24 +148,29 @@ def load_weights(model: DeepseekV4ForCausalLM, files: list[Path], device: torch.
     seen: defaultdict[str, set[tuple[int | None, int]]] = defaultdict(set)
     misshaped = []
     by_file = defaultdict(list)
-    for name, entry in entries.items():
-        by_file[entry.file].append(name)
-    for file, file_names in by_file.items():
+    for entry in entries.values():
+        by_file[entry.file].append(entry)
+    for file, file_entries in by_file.items():
         with _open(file) as f:
-            for name in file_names:
-                entry = entries[name]
-                dest = _part(targets[entry.target.name], entry)
-                if tuple(dest.shape) != entry.shape:
-                    misshaped.append(f"{name}: checkpoint {list(entry.shape)} vs model {list(dest.shape)}")
+            for entry in file_entries:
+                name, target = entry.name, entry.target
+                dests = _parts(targets[target.name], entry, held)
+                if not dests:
+                    continue  # an expert another rank holds: not read
+                want = [d.shape if rows is None else (entry.shape[0], *d.shape[1:]) for d, rows in dests]
+                if any(tuple(w) != entry.shape for w in want):
+                    misshaped.append(f"{name}: checkpoint {list(entry.shape)} vs model {list(want[0])}")
                     continue
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as e:
                     raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from None
                 with torch.no_grad():
-                    dest.copy_(tensor if tensor.dtype == dest.dtype else tensor.to(dest.dtype))
-                seen[entry.target.name].add((entry.target.expert, entry.target.half))
-    missing = sorted(_missing(targets, seen, entries))
+                    for dest, rows in dests:  # one expert may fill several slots (EPLB replicas)
+                        part = tensor if rows is None else tensor[rows]
+                        dest.copy_(part if part.dtype == dest.dtype else part.to(dest.dtype))
+                seen[target.name].add((target.expert, target.half))
+    missing = sorted(_missing(targets, seen, entries, held))
     if missing or unexpected or misshaped:
         raise CheckpointError(_mismatch_message(missing, unexpected, misshaped))
 
@@ -163,8 +182,8 @@ def _index(files: list[Path]) -> dict[str, _Entry]:
         with _open(file) as f:
             for name in f.keys():
                 info = f.get_slice(name)
-                entries[name] = _Entry(file, tuple(info.get_shape()), _FILE_DTYPES.get(info.get_dtype(), torch.float32),
-                                       ours(name))
+                dtype = _FILE_DTYPES.get(info.get_dtype(), torch.float32)
+                entries[name] = _Entry(name, file, tuple(info.get_shape()), dtype, ours(name))
     return entries
 
 
@@ -189,13 +208,13 @@ def _stored_shapes(model: DeepseekV4ForCausalLM,
             continue
         scales = parts.get(name + SCALE_SUFFIX)
         if not scales:
-            raise CheckpointError(f"{_disk_name(entries, first)} is stored as {first.dtype} codes but has no scale "
+            raise CheckpointError(f"{first.name} is stored as {first.dtype} codes but has no scale "
                                   "beside it (`.scale` or `weight_scale_inv`); the checkpoint is incomplete")
         meta = (_stack(codes, model, name), _stack(scales, model, name))
         try:
             block_of(*meta)
         except ScaleGridError as e:
-            raise CheckpointError(f"{_disk_name(entries, first)} and its scale: {e}") from None
+            raise CheckpointError(f"{first.name} and its scale: {e}") from None
         stored[name] = meta
     return stored
 
@@ -210,18 +229,26 @@ def _stack(parts: dict[tuple[int | None, int], _Entry], model: DeepseekV4ForCaus
     return torch.empty(experts, halves * first.shape[0], *first.shape[1:], dtype=first.dtype, device="meta")
 
 
-def _part(dest: torch.Tensor, entry: _Entry) -> torch.Tensor:
-    """The slice of our tensor `dest` that a file tensor fills: all of it, or one expert's rows."""
-    if entry.target.expert is None:
-        return dest.data
-    rows = entry.shape[0]
-    return dest.data[entry.target.expert, entry.target.half * rows:(entry.target.half + 1) * rows]
+def _parts(dest: torch.Tensor, entry: _Entry,
+           held: dict[str, list[int]]) -> list[tuple[torch.Tensor, list[int] | None]]:
+    """Where a file tensor goes: (slice of our tensor `dest`, rows of the file tensor to take or None for
+    all of it). All of `dest`; for all experts in one tensor on a sharded layer, the rows of this rank's
+    slots; for one expert's tensor, its rows in each slot holding it (none if no slot here does)."""
+    target = entry.target
+    slots = held.get(target.name.rpartition(".")[0])
+    if target.expert is None:
+        return [(dest.data, slots)]
+    rows = slice(target.half * entry.shape[0], (target.half + 1) * entry.shape[0])
+    experts = range(dest.shape[0]) if slots is None else slots
+    return [(dest.data[slot, rows], None) for slot, expert in enumerate(experts) if expert == target.expert]
 
 
-def _missing(targets: dict[str, torch.Tensor], seen: dict[str, set], entries: dict[str, _Entry]) -> list[str]:
-    """Our tensors (or, for merged experts, the files' per-expert names) that no file tensor filled."""
+def _missing(targets: dict[str, torch.Tensor], seen: dict[str, set], entries: dict[str, _Entry],
+             held: dict[str, list[int]]) -> list[str]:
+    """Our tensors (or, for merged experts, the files' per-expert names) that no file tensor filled;
+    of the experts, those this rank holds."""
     missing = []
-    for name, tensor in targets.items():
+    for name in targets:
         got = seen.get(name, set())
         if (None, 0) in got:
             continue
@@ -229,17 +256,13 @@ def _missing(targets: dict[str, torch.Tensor], seen: dict[str, set], entries: di
             missing.append(name)
             continue
         halves = 1 + max(h for _, h in got)
-        example = next(n for n, e in entries.items() if e.target.name == name)
-        for expert in range(tensor.shape[0]):
+        example = next(e.name for e in entries.values() if e.target.name == name)
+        for expert in sorted(set(held.get(name.rpartition(".")[0], range(targets[name].shape[0])))):
             for half in range(halves):
                 if (expert, half) not in got:
                     w = 2 if halves == 1 else (1, 3)[half]
                     missing.append(re.sub(r"experts\.\d+\.w\d", f"experts.{expert}.w{w}", example))
     return missing
-
-
-def _disk_name(entries: dict[str, _Entry], entry: _Entry) -> str:
-    return next(n for n, e in entries.items() if e is entry)
 
 
 def _mismatch_message(missing: list[str], unexpected: list[str], misshaped: list[str], show: int = 8) -> str:

@@ -118,20 +118,31 @@ class MoE(nn.Module):
         `expert_ranks`, `dispatch`, `combine`, `move_rows`); phy2log `[num_slots]`: this layer's
         logical expert of every physical slot, rank-major (from `rackserve.placement.rebalance`).
         A rank without slots (attention-only, split mode) keeps no experts and only sends tokens.
+        On a model still on the meta device (`load_model(..., shard=…)`) only the shapes change, and the
+        loader then reads just these experts and calls `set_layout(self.layout)` on the real device.
         """
-        mine = phy2log[ep.local_slots.start:ep.local_slots.stop].to(self.gate.weight.device)
-        self.experts.set_rows(self.experts.rows()[mine])
+        rows = self.experts.rows()
+        self.experts.set_rows(rows[phy2log[ep.local_slots.start:ep.local_slots.stop].to(rows.device)])
         self.ep = ep
-        self._set_layout(phy2log)
+        self.set_layout(phy2log)
 
     def relayout(self, phy2log: torch.Tensor) -> None:
         """Move to a new slot layout `[num_slots]`: this rank receives the weights of its new slots
         from the ranks that hold them now, as stored. Every rank of the gang must call it at the same time."""
         self.experts.set_rows(self.ep.move_rows(self.phy2log, phy2log.to(self.phy2log.device), self.experts.rows()))
-        self._set_layout(phy2log)
+        self.set_layout(phy2log)
 
-    def _set_layout(self, phy2log: torch.Tensor) -> None:
-        """The slot maps of a layout, and a fresh count of tokens per physical slot `[num_slots]`."""
+    @property
+    def local_experts(self) -> list[int]:
+        """The logical expert of each of this rank's slots (all experts when not sharded)."""
+        if self.ep is None:
+            return list(range(self.gate.weight.shape[0]))
+        return self.layout[self.ep.local_slots.start:self.ep.local_slots.stop].tolist()
+
+    def set_layout(self, phy2log: torch.Tensor) -> None:
+        """The slot maps of a layout (`layout`, on the CPU, and its device buffers), and a fresh count of
+        tokens per physical slot `[num_slots]`."""
+        self.layout = phy2log.cpu()
         device = self.gate.weight.device
         placement = Placement.from_phy2log(phy2log[None].cpu(), self.gate.weight.shape[0])
         self.register_buffer("phy2log", phy2log.to(device), persistent=False)
