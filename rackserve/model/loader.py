@@ -249,15 +249,15 @@ def _missing(targets: dict[str, torch.Tensor], seen: dict[str, set], entries: di
     of the experts, those this rank holds."""
     missing = []
     for name in targets:
-        got = seen.get(name, set())
-        if (None, 0) in got:
+        got, slots = seen.get(name, set()), held.get(name.rpartition(".")[0])
+        if (None, 0) in got or slots == []:  # filled whole, or a rank without expert slots (split mode)
             continue
         if not got:
             missing.append(name)
             continue
         halves = 1 + max(h for _, h in got)
         example = next(e.name for e in entries.values() if e.target.name == name)
-        for expert in sorted(set(held.get(name.rpartition(".")[0], range(targets[name].shape[0])))):
+        for expert in sorted(set(range(targets[name].shape[0]) if slots is None else slots)):
             for half in range(halves):
                 if (expert, half) not in got:
                     w = 2 if halves == 1 else (1, 3)[half]
