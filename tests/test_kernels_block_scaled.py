@@ -186,6 +186,37 @@ def test_fp8_linear_edge_inputs(monkeypatch):
     assert dispatch.implementation("moe_ffn_quantized", x.device) is block_scaled.moe_ffn_quantized_triton
 
 
+@DTYPES
+@pytest.mark.parametrize("num_tokens", [1, 6])
+def test_grouped_fp8_linear_matches_reference(num_tokens, dtype):
+    """V4's grouped output projection: x `[T, G, K]` by G weights `[N, K]` in one launch."""
+    groups, n, k = 3, 32, 64
+    g = generator(f"grouped-{num_tokens}-{dtype}")
+    codes, scales = quantize(weight(groups * n, k, g=g), (32, 32), ue8m0=True)
+    codes, scales = codes.view(groups, n, k), scales.view(groups, n // 32, k // 32)
+    x = torch.randn(num_tokens, groups, k, generator=g).to(dtype)
+    ref = fp8_linear_torch(x, codes, scales)
+    want = torch.einsum("tgk,gnk->tgn", x.float(), dequantize(codes, scales, torch.float32))
+    assert ref.shape == (num_tokens, groups, n) and rel_err(ref, want) <= TOLERANCE[dtype]
+    out = block_scaled.fp8_linear_triton(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE))
+    assert out.dtype == dtype and out.shape == (num_tokens, groups, n)
+    assert rel_err(out, ref) <= TOLERANCE[dtype]
+    with pytest.raises(ValueError, match=r"want x \[T, 3, 64\]"):
+        block_scaled.fp8_linear_triton(x[:, :2].to(DEVICE), codes.to(DEVICE), scales.to(DEVICE))
+
+
+@pytest.mark.parametrize("rows_per_group", [32, 16])  # whole scale blocks per group; blocks straddling groups
+def test_grouped_linear_of_a_quantized_module_equals_the_dense_one(rows_per_group):
+    from rackserve.model.quantized import FP8Linear, grouped_linear
+
+    groups, k = 2, 64
+    g = generator(f"grouped-module-{rows_per_group}")
+    linear = FP8Linear(*quantize(weight(groups * rows_per_group, k, g=g), (32, 32)))
+    x = torch.randn(5, groups, k, generator=g)
+    dense = dequantize(linear.weight, linear.weight_scale_inv, torch.float32).view(groups, rows_per_group, k)
+    assert rel_err(grouped_linear(linear, x), torch.einsum("tgi,goi->tgo", x, dense)) <= 1e-6
+
+
 # (T, E, k, which experts the tokens may use: None = all, else a list)
 MOE_CASES = {"single_token": (1, 4, 1, None), "T5-k2": (5, 4, 2, None),
              "T37-k2-idle_experts": (37, 8, 2, [1, 2, 6])}  # 5 of 8 experts get no tokens

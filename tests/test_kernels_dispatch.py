@@ -34,12 +34,14 @@ def test_every_op_has_a_torch_reference():
 
 
 # A 3-layer published FP8+FP4 checkpoint (FP8 linears, FP4 experts, UE8M0 scales): one layer of each
-# attention type, window 8, CSA every 4 tokens, HCA every 8, index_topk 4. The 22 prompt tokens cross
+# attention type, window 8, CSA every 4 tokens, HCA every 8, index_topk 4; o_lora_rank 32, one scale
+# block a group, so the grouped output projection runs as the grouped FP8 kernel. The 22 prompt tokens cross
 # the window and the HCA rate twice and give 5 complete CSA entries, more than index_topk, so the
 # indexer chooses; the decode steps complete a 6th. The interpreter runs one program per token for mHC,
 # so every token costs here. (conftest switched the interpreter on before triton was imported.)
 FORCED_CONFIG = {"num_hidden_layers": 3, "layer_types": [SLIDING, CSA, HCA],
-                 "mlp_layer_types": ["hash_moe", "moe", "moe"], "sliding_window": 8, "compress_rates": {CSA: 4, HCA: 8}, "index_topk": 4}
+                 "mlp_layer_types": ["hash_moe", "moe", "moe"], "sliding_window": 8,
+                 "compress_rates": {CSA: 4, HCA: 8}, "index_topk": 4, "o_lora_rank": 32}
 
 
 def forced_run(model) -> torch.Tensor:

@@ -94,8 +94,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
 
 
 def fp8_linear_torch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x `[T, K]` · Wᵀ for W = dequantize(codes `[N, K]`, scales) -> `[T, N]` in x's dtype."""
-    return F.linear(x, dequantize(codes, scales, x.dtype))
+    """x `[T, K]` · Wᵀ for W = dequantize(codes `[N, K]`, scales) -> `[T, N]` in x's dtype. Grouped
+    (V4's output projection): x `[T, G, K]`, codes for `[G, N, K]` -> `[T, G, N]`, group g by W[g]."""
+    w = dequantize(codes, scales, x.dtype)
+    return F.linear(x, w) if w.dim() == 2 else torch.einsum("tgk,gnk->tgn", x, w)
 
 
 def moe_ffn_quantized_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -121,11 +123,17 @@ def gemm_weights(codes: torch.Tensor, scales: torch.Tensor) -> GemmWeights:
 
 
 @triton.jit
-def _linear_kernel(x_ptr, out_ptr, T, N, K, w_ptr, s_ptr, bn, bk, stride_wn, stride_wk, stride_sn, stride_sk,
-                   stride_xt, stride_xk, stride_ot, stride_on,
+def _linear_kernel(x_ptr, out_ptr, T, N, K, w_ptr, s_ptr, bn, bk, stride_wg, stride_wn, stride_wk,
+                   stride_sg, stride_sn, stride_sk, stride_xt, stride_xg, stride_xk, stride_ot, stride_og, stride_on,
                    FORMAT: tl.constexpr, ONE_K_BLOCK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                    RNE_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[m-block, n-block] = x[m-block] · W[n-block]ᵀ, W block-scaled codes decoded tile by tile."""
+    """out[m-block, g, n-block] = x[m-block, g] · W[g, n-block]ᵀ, W block-scaled codes decoded tile by
+    tile; group g = program 2 (one group, strides 0, for a plain linear)."""
+    group = tl.program_id(2).to(tl.int64)
+    x_ptr += group * stride_xg
+    out_ptr += group * stride_og
+    w_ptr += group * stride_wg
+    s_ptr += group * stride_sg
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < T, offs_n < N
@@ -146,21 +154,25 @@ def _linear_kernel(x_ptr, out_ptr, T, N, K, w_ptr, s_ptr, bn, bk, stride_wn, str
 
 def fp8_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`fp8_linear_torch` as a Triton kernel: x `[T, K]` fp32 / bf16 / fp16, codes `[N, K]` (FP8, or
-    packed FP4 `[N, K / 2]`) with their scale grid -> `[T, N]` in x's dtype, accumulated in fp32."""
+    packed FP4 `[N, K / 2]`) with their scale grid -> `[T, N]` in x's dtype, accumulated in fp32; grouped,
+    x `[T, G, K]` and codes for `[G, N, K]` -> `[T, G, N]`, one launch for all groups."""
     w = gemm_weights(codes, scales)
-    n, k = logical_shape(codes)
-    if x.shape[-1] != k:
-        raise ValueError(f"x {list(x.shape)} does not fit a weight of {n} × {k}: want x [T, {k}]")
-    x2 = x.reshape(-1, k)
-    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    *groups, n, k = logical_shape(codes)
+    if x.shape[-1] != k or (groups and (x.dim() != 3 or x.shape[1] != groups[0])):
+        want = f"[T, {groups[0]}, {k}]" if groups else f"[T, {k}]"
+        raise ValueError(f"x {list(x.shape)} does not fit a weight of {[*groups, n, k]}: want x {want}")
+    x3 = x if groups else x.reshape(-1, 1, k)  # [T, G, K]
+    out = torch.empty(x3.shape[0], x3.shape[1], n, dtype=x.dtype, device=x.device)
     if out.numel():
         precision, upcast = dot_settings(x.dtype)
-        block_m, block_n, (block_k, one_k_block) = tile_edge(x2.shape[0], 64), tile_edge(n, 64), w.k_tile(k, 64)
-        _linear_kernel[(triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n))](
-            x2, out, x2.shape[0], n, k, *w.args(), x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
+        t = x3.shape[0]
+        block_m, block_n, (block_k, one_k_block) = tile_edge(t, 64), tile_edge(n, 64), w.k_tile(k, 64)
+        strides = w.args()[4:] if groups else (0, *w.args()[4:6], 0, *w.args()[6:])  # plain: group strides 0
+        _linear_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n), x3.shape[1])](
+            x3, out, t, n, k, *w.args()[:4], *strides, *x3.stride(), *out.stride(),
             FORMAT=w.fmt, ONE_K_BLOCK=one_k_block, PRECISION=precision, UPCAST=upcast, RNE_BF16=emulate_rne_bf16(out),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-    return out.view(*x.shape[:-1], n)
+    return out if groups else out.view(*x.shape[:-1], n)
 
 
 def moe_ffn_quantized_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -17,7 +17,7 @@ from rackserve.kernels import dispatch
 from rackserve.kernels.mhc import unweighted_rms_norm
 from rackserve.model.batch import CompressPlan, ForwardBatch
 from rackserve.model.layers import RMSNorm
-from rackserve.model.quantized import dense_weight
+from rackserve.model.quantized import grouped_linear
 from rackserve.model.rope import Rotary, apply_rope
 
 
@@ -151,5 +151,4 @@ class Attention(nn.Module):
 
         out = apply_rope(out, cos, sin, inverse=True)  # undo the keys' rotation carried by V
         grouped = out.reshape(t, self.groups, -1)
-        w = dense_weight(self.o_a_proj, grouped.dtype).view(self.groups, -1, grouped.shape[-1])
-        return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
+        return self.o_b_proj(grouped_linear(self.o_a_proj, grouped).flatten(1))

@@ -41,6 +41,18 @@ def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return linear.weight.to(dtype)
 
 
+def grouped_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x `[T, G, K]` through a linear whose weight `[G·N, K]` stacks G groups -> `[T, G, N]`: group g by
+    rows g·N … (g+1)·N (V4's grouped output projection). FP8 weights whose scale blocks do not straddle
+    groups (V4's: N = 1024 rows, 128-row blocks) run as one grouped block-scaled GEMM, never dequantized."""
+    groups, k = x.shape[1], x.shape[2]
+    if isinstance(linear, FP8Linear) and linear.weight_scale_inv.shape[0] % groups == 0:
+        codes, scales = linear.weight, linear.weight_scale_inv
+        return dispatch.fp8_linear(x, codes.view(groups, -1, codes.shape[-1]),
+                                   scales.view(groups, -1, scales.shape[-1]))
+    return torch.einsum("tgi,goi->tgo", x, dense_weight(linear, x.dtype).view(groups, -1, k))
+
+
 def quantize_modules(model: nn.Module, stored: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Give `model` (on the meta device) quantized weights where `stored` says: {our weight name: (meta
     codes, meta scales)} with the files' shapes and dtypes. A linear becomes an `FP8Linear`; routed experts
