@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from rackserve.kernels.moe import (WEIGHTS_FP4, WEIGHTS_FP8, GemmWeights, dot_settings, grouped_moe_ffn, moe_ffn_torch,
-                                   tile_edge, weight_dot)
+                                   tile_edge, weight_gemm)
 from rackserve.kernels.quant import E2M1, FP4_MAX, FP8_MAX, encode_fp4
 from rackserve.kernels.triton_utils import emulate_rne_bf16, round_to_bf16
 
@@ -112,7 +112,7 @@ def moe_ffn_quantized_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
 
 
 # --- Triton ------------------------------------------------------------------------------------------
-# The weight tiles are read and decoded by `moe.weight_dot`, shared with the grouped MoE GEMMs.
+# The weight tiles are read and decoded by `moe.weight_gemm` (`weight_dot`), shared with the grouped MoE GEMMs.
 
 
 def gemm_weights(codes: torch.Tensor, scales: torch.Tensor) -> GemmWeights:
@@ -137,15 +137,8 @@ def _linear_kernel(x_ptr, out_ptr, T, N, K, w_ptr, s_ptr, bn, bk, stride_wg, str
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < T, offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
-        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        acc = weight_dot(acc, a, w_ptr, s_ptr, offs_n, k0, offs_k, mask_n, mask_k, bn, bk, stride_wn, stride_wk,
-                         stride_sn, stride_sk, FORMAT, ONE_K_BLOCK, PRECISION, UPCAST)
-        x_ptrs += BLOCK_K * stride_xk
+    acc = weight_gemm(x_ptr, offs_m, mask_m, stride_xt, stride_xk, K, w_ptr, s_ptr, offs_n, mask_n, bn, bk, stride_wn,
+                      stride_wk, stride_sn, stride_sk, FORMAT, ONE_K_BLOCK, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
     if RNE_BF16:  # interpreter only: its fp32 -> bf16 cast truncates, a GPU's rounds to nearest even
         acc = round_to_bf16(acc)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + offs_n[None, :] * stride_on

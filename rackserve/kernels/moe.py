@@ -150,6 +150,24 @@ def weight_dot(acc, a, w_ptr, s_ptr, rows, k0, offs_k, mask_n, mask_k, bn, bk, s
 
 
 @triton.jit
+def weight_gemm(a_ptr, rows, mask_m, stride_am, stride_ak, K, w_ptr, s_ptr, offs_n, mask_n, bn, bk, stride_wn,
+                stride_wk, stride_sn, stride_sk, FORMAT: tl.constexpr, ONE_K_BLOCK: tl.constexpr,
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """A[rows, :K] · W[offs_n, :K]ᵀ `[BLOCK_M, BLOCK_N]` in fp32, K tile by K tile (`weight_dot`)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        acc = weight_dot(acc, a, w_ptr, s_ptr, offs_n, k0, offs_k, mask_n, mask_k, bn, bk, stride_wn, stride_wk,
+                         stride_sn, stride_sk, FORMAT, ONE_K_BLOCK, PRECISION, UPCAST)
+        a_ptrs += BLOCK_K * stride_ak
+    return acc
+
+
+@triton.jit
 def _tile(sched_ptr, num_tiles, BLOCK_M: tl.constexpr):
     """This program's tile of the schedule: (expert, or -1 for an unused tile; its rows [BLOCK_M]
     into the expert-sorted pairs; which of them are real)."""
@@ -210,19 +228,9 @@ def _down_kernel(h_ptr, out_ptr, pair_ptr, weight_ptr, sched_ptr, num_tiles, D, 
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptr += expert * stride_we
-    s_ptr += expert * stride_se
-
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + offs_k[None, :] * stride_hi
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        mask_k = offs_k < I - k0
-        a = tl.load(h_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        acc = weight_dot(acc, a, w_ptr, s_ptr, offs_n, k0, offs_k, mask_n, mask_k, bn, bk, stride_wd, stride_wi,
-                         stride_sd, stride_si, FORMAT, ONE_K_BLOCK, PRECISION, UPCAST)
-        h_ptrs += BLOCK_K * stride_hi
-
+    acc = weight_gemm(h_ptr, rows, mask_m, stride_ht, stride_hi, I, w_ptr + expert * stride_we,
+                      s_ptr + expert * stride_se, offs_n, mask_n, bn, bk, stride_wd, stride_wi, stride_sd, stride_si,
+                      FORMAT, ONE_K_BLOCK, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
     pairs = tl.load(pair_ptr + rows, mask=mask_m, other=0).to(tl.int64)
     acc *= tl.load(weight_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pairs[:, None] * stride_ot + offs_n[None, :] * stride_od
