@@ -60,26 +60,24 @@ def _memory(args: argparse.Namespace) -> int:
 
     config = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
     model_dir = Path(args.model or config.model)
-    if (model_dir / "config.json").is_file():
+    found = (model_dir / "config.json").is_file()
+    if found:
         model, source = ModelConfig.from_pretrained(model_dir), str(model_dir)
     else:
         model, source = ModelConfig.from_dict({}), f"DeepSeek-V4-Flash's shape ({model_dir} has no config.json here)"
-    experts = model.n_routed_experts
     ranks = {}
     for role, shape, redundant in (("prefill", config.prefill, 0), ("decode", config.decode,
                                                                     config.decode_redundant_slots)):
         group = InstanceGroup.parse(shape, role)
-        holders = group.expert_ranks or group.size
-        kind = "expert rank" if group.expert_ranks else "rank"
-        ranks[f"{role} {group.shape} {kind}: dense + {slots_per_rank(experts, redundant, holders)} slots"] = \
-            slots_per_rank(experts, redundant, holders)
+        slots = slots_per_rank(model.n_routed_experts, redundant, group.expert_ranks or group.size)
+        ranks[f"{role} {group.shape} {'expert rank' if group.expert_ranks else 'rank'}: dense + {slots} slots"] = slots
     rows = serving_report(model, ranks)
     if args.json:
         print(json.dumps({"model": source, "gib": rows}))
         return 0
     print(f"weights per GPU, GiB; model: {source}")
     print(format_report(rows))
-    if (model_dir / "config.json").is_file():
+    if found:
         quant = model.quantization
         stored = "bf16" if quant is None else ("FP8+FP4" if quant.expert_dtype == "fp4" else "FP8")
         print(f"{model_dir} stores its weights as {stored}")
