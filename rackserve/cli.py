@@ -53,8 +53,18 @@ def _plan(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from rackserve.bench.sim.hardware import PRESETS
     from rackserve.config import ModelConfig
-    from rackserve.model.memory import format_report, serving_report, slots_per_rank
+    from rackserve.model.memory import (
+        PRECISIONS,
+        PUBLISHED_STATE_BYTES_PER_TOKEN,
+        format_report,
+        format_state_report,
+        serving_report,
+        slots_per_rank,
+        state_report,
+        weight_bytes,
+    )
     from rackserve.placement import InstanceGroup
     from rackserve.serve.config import ServeConfig
 
@@ -71,12 +81,19 @@ def _memory(args: argparse.Namespace) -> int:
         group = InstanceGroup.parse(shape, role)
         slots = slots_per_rank(model.n_routed_experts, redundant, group.expert_ranks or group.size)
         ranks[f"{role} {group.shape} {'expert rank' if group.expert_ranks else 'rank'}: dense + {slots} slots"] = slots
+        decode_slots = slots if role == "decode" else 0
     rows = serving_report(model, ranks)
+    # the decode rank's state beside its weights as published (FP8+FP4), on each GPU the simulator knows
+    decode_weights = weight_bytes(model, PRECISIONS["FP8+FP4"]).rank(decode_slots)
+    state = state_report(model, decode_weights, {name: hw.hbm_bytes for name, hw in PRESETS.items()})
     if args.json:
-        print(json.dumps({"model": source, "gib": rows}))
+        print(json.dumps({"model": source, "gib": rows, "state": state}))
         return 0
     print(f"weights per GPU, GiB; model: {source}")
     print(format_report(rows))
+    print(f"\nrequest state (bf16 activations; published V4.1-Flash: {PUBLISHED_STATE_BYTES_PER_TOKEN} bytes/token), "
+          "and the decode batch a rank of the config fits beside its FP8+FP4 weights:")
+    print(format_state_report(state))
     if found:
         quant = model.quantization
         stored = "bf16" if quant is None else ("FP8+FP4" if quant.expert_dtype == "fp4" else "FP8")
@@ -146,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--png", help="also draw the plan to this PNG file (needs matplotlib)")
     pl.set_defaults(func=_plan)
 
-    mem = sub.add_parser("memory", help="weight bytes per GPU of a serve config's ranks, in bf16, FP8 and FP8+FP4 "
-                                        "(meta device: nothing is loaded)")
+    mem = sub.add_parser("memory", help="weight bytes per GPU of a serve config's ranks, in bf16, FP8 and FP8+FP4, "
+                                        "and request state bytes by state_dtype with the decode batch that fits at "
+                                        "128K context (meta device: nothing is loaded)")
     mem.add_argument("--config", help="a serve config, e.g. deploy/gb300-nvl72.yaml (default: the built-in one)")
     mem.add_argument("--model", help="a checkpoint directory (default: the config's model; V4-Flash's shape if "
                                      "it is not here)")

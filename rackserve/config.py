@@ -406,6 +406,8 @@ def _parse_rope(raw: dict[str, Any], rope_dim: int, head_dim: int) -> tuple[Rope
 
 MAX_SPECULATIVE_TOKENS = 3
 WEIGHTS = ("stored", "dequantize")
+# how compressed entries / indexer keys are held: the model dtype, FP8 / FP8, FP8 / FP4 (model.state)
+STATE_DTYPES = ("auto", "fp8", "fp8-fp4")
 
 
 def _check_speculation(model: ModelConfig, k: int) -> None:
@@ -449,6 +451,10 @@ class EngineConfig:
       one forward of the main model (0: no speculation; at most 3).
     weights: "stored" keeps a quantized checkpoint's FP8/FP4 weights as stored (computed by block-scaled
       kernels); "dequantize" turns them into `dtype` at load, for machines without FP8 kernels.
+    state_dtype: how compressed entries and indexer keys are held: "auto" (the model dtype), "fp8"
+      (both FP8 e4m3, block-scaled) or "fp8-fp4" (entries FP8, indexer keys FP4 e2m1); windows and
+      compressor carries stay in the model dtype (see `rackserve.model.state`). Prefill and decode
+      ranks that move state between them must agree.
     """
 
     max_num_seqs: int = 32
@@ -468,6 +474,7 @@ class EngineConfig:
     kv_timeout_s: float = 10.0
     speculative_tokens: int = 0
     weights: str = "stored"
+    state_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.eplb_interval, int) or self.eplb_interval < 0:
@@ -492,6 +499,8 @@ class EngineConfig:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {_DTYPES}")
         if self.weights not in WEIGHTS:
             raise ConfigError(f"weights={self.weights!r} must be one of {WEIGHTS}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ConfigError(f"state_dtype={self.state_dtype!r} must be one of {STATE_DTYPES}")
         k = self.speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"speculative_tokens={k!r} must be an integer from 0 (off) to {MAX_SPECULATIVE_TOKENS}")

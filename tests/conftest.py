@@ -68,10 +68,10 @@ def ours(ref_checkpoint):
     return load_model(ref_checkpoint)
 
 
-def new_state(model, slots: int = 8, budget_mb: int = 32) -> StateCache:
+def new_state(model, slots: int = 8, budget_mb: int = 32, state_dtype: str = "auto") -> StateCache:
     """State memory for `slots` requests, without prefix caching (the model tests drive it directly)."""
     return StateCache(model.config, block_size=model.config.min_block_size * 2, max_requests=slots,
-                      budget_bytes=budget_mb << 20, prefix_caching=False, dtype=model.dtype)
+                      budget_bytes=budget_mb << 20, prefix_caching=False, dtype=model.dtype, state_dtype=state_dtype)
 
 
 def step(model, cache: StateCache, requests: Sequence[tuple[CacheHandle, Sequence[int]]],
@@ -91,7 +91,7 @@ def _model_of(checkpoint: str):
 
 
 def assert_same_tokens(checkpoint, prompts: Sequence[Sequence[int]], got: Sequence[Sequence[int]],
-                       want: Sequence[Sequence[int]], params, tol: float = 1e-4) -> None:
+                       want: Sequence[Sequence[int]], params, tol: float = 1e-4, state_dtype: str = "auto") -> None:
     """The token ids of the same requests from two differently shaped runs (other batches, ranks,
     drafts, transfers) agree: equal, or for a greedy request that parts from `want`, a near-tie.
 
@@ -100,7 +100,7 @@ def assert_same_tokens(checkpoint, prompts: Sequence[Sequence[int]], got: Sequen
     greedy `got` that differs is checked by teacher forcing instead: the single-process model run
     once over prompt + got must rank each token of got within `tol` of its best logit; a real
     difference cannot hide. Sampled requests must be equal. `params`: one SamplingParams or one
-    per request.
+    per request. `state_dtype`: the runs' (the teacher-forced run holds its state the same way).
     """
     per_request = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
     for i, (ids, g, w, p) in enumerate(zip(prompts, got, want, per_request, strict=True)):
@@ -109,7 +109,7 @@ def assert_same_tokens(checkpoint, prompts: Sequence[Sequence[int]], got: Sequen
             continue
         assert p.temperature == 0 and len(g) == len(w), f"request {i}: {g} != {w}"
         model = _model_of(str(checkpoint))
-        cache = new_state(model, slots=1, budget_mb=64)
+        cache = new_state(model, slots=1, budget_mb=64, state_dtype=state_dtype)
         handle = cache.allocate()
         logits = step(model, cache, [(handle, list(ids) + g[:-1])], all_logits=True)[len(ids) - 1:]
         for j, token in enumerate(g):

@@ -53,21 +53,23 @@ WORK = {f"r{i}": (prompt(n, seed=30 + i), SamplingParams(max_tokens=m, temperatu
         for i, (n, m, t) in enumerate([(5, 9, 0.0), (61, 4, 0.0), (130, 12, 0.0), (33, 1, 0.0), (47, 10, 0.9)])}
 
 
-def assert_like_single_engine(checkpoint, work: dict, got: dict) -> None:
-    """`got` (token ids by request id) are the single engine's outputs of `work`, up to near-ties."""
+def assert_like_single_engine(checkpoint, work: dict, got: dict, state_dtype: str = "auto") -> None:
+    """`got` (token ids by request id) are the single engine's outputs of `work` (its state held as
+    `state_dtype`), up to near-ties."""
     prompts, params = [ids for ids, _ in work.values()], [p for _, p in work.values()]
-    want = [c.token_ids for c in LLM(checkpoint).generate(prompts, params)]
+    want = [c.token_ids for c in LLM(checkpoint, state_dtype=state_dtype).generate(prompts, params)]
     assert sorted(got) == sorted(work)
-    assert_same_tokens(checkpoint, prompts, [got[rid] for rid in work], want, params)
+    assert_same_tokens(checkpoint, prompts, [got[rid] for rid in work], want, params, state_dtype=state_dtype)
 
 
-def test_pushed_state_decodes_exactly_like_the_single_engine(tiny_checkpoint):
-    prefill, decode = pair(tiny_checkpoint)
+@pytest.mark.parametrize("state_dtype", ["auto", "fp8-fp4"])
+def test_pushed_state_decodes_exactly_like_the_single_engine(tiny_checkpoint, state_dtype):
+    prefill, decode = pair(tiny_checkpoint, state_dtype=state_dtype)
     for rid, (ids, params) in WORK.items():
         submit(prefill, decode, rid, ids, params)
     got, _ = run(prefill, decode, WORK)
     p, d = prefill.stats(), decode.stats()
-    assert_like_single_engine(tiny_checkpoint, WORK, got)  # greedy and seeded sampling alike
+    assert_like_single_engine(tiny_checkpoint, WORK, got, state_dtype)  # greedy and seeded sampling alike
     assert p["kv_pushed"] == d["kv_loaded"] == d["kv_reserved"] == len(WORK)
     assert d["kv_recomputed"] == p["kv_push_failures"] == 0
     assert p["kv_bytes_out"] == d["kv_bytes_in"] > 0
@@ -125,14 +127,15 @@ def test_requests_that_cannot_be_pushed_are_refused_clearly(tiny_checkpoint):
         plain.reserve_push(prompt(5, seed=1), SamplingParams(seed=1))
 
 
-def test_a_second_turn_reads_its_history_from_the_kv_store(tiny_checkpoint):
+@pytest.mark.parametrize("state_dtype", ["auto", "fp8-fp4"])
+def test_a_second_turn_reads_its_history_from_the_kv_store(tiny_checkpoint, state_dtype):
     """Turn 1 goes through P/D; the decode rank writes prompt + answer to the store when it finishes.
     Turn 2 (turn 1's prompt + answer + new text) reads that prefix and prefills only the rest."""
     from rackserve.engine.prefix_store import PrefixStore
 
-    prefill, decode = pair(tiny_checkpoint)
+    prefill, decode = pair(tiny_checkpoint, state_dtype=state_dtype)
     store = PrefixStore(prefill.model.config, prefill.cache.block_size, KVAgent(f"test-store-{next(_names)}", 8 << 20),
-                        memory_mb=16, inbox_bytes=1 << 20)
+                        memory_mb=16, inbox_bytes=1 << 20, dtype=prefill.model.dtype, state_dtype=state_dtype)
     for engine in (prefill, decode):
         engine.attach_store(store.agent.metadata(), store.add_writer(engine.kv.agent.metadata()))
     greedy = SamplingParams(max_tokens=20, temperature=0.0, seed=3)
@@ -150,7 +153,7 @@ def test_a_second_turn_reads_its_history_from_the_kv_store(tiny_checkpoint):
     reservation = decode.reserve_push(turn2, greedy, request_id="t2")
     prefill.add_request(turn2, greedy, request_id="t2", push_to=reservation, cached=(cached, where))
     got2, finals = run_with_store(prefill, decode, store)
-    assert_like_single_engine(tiny_checkpoint, {"t2": (turn2, greedy)}, got2)
+    assert_like_single_engine(tiny_checkpoint, {"t2": (turn2, greedy)}, got2, state_dtype)
     assert finals["t2"].num_cached_tokens == cached  # the prefill rank computed only the new tokens
     assert prefill.stats()["kv_pulled_tokens"] == cached
     assert store.stats.pinned == 0  # the reader released what it read

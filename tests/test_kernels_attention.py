@@ -28,6 +28,7 @@ from rackserve.kernels.indexer import (
     indexer_topk_triton,
     top_entries,
 )
+from rackserve.kernels.packed_rows import PackedRows, RowFormat
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -98,6 +99,27 @@ def test_sink_attention_only_own_key(dtype, splits):
     assert_close(out, sink_attention_torch(q, sources, rows, valid, sinks, 40**-0.5), tolerance(dtype))
 
 
+def packed(rows: torch.Tensor, kind: str, block: int) -> PackedRows:
+    """`rows` `[N, d]` stored as packed `kind` rows (what a quantised state holds), read back in their dtype."""
+    fmt = RowFormat(kind, rows.shape[1], block)
+    return PackedRows(fmt.encode(rows), fmt, rows.dtype)
+
+
+# Packed entries (the third source) as a quantised state holds them; the kernel decodes them in
+# registers and must read exactly the keys the reference decodes: same tolerance as plain keys.
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto", "split3"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,block", [("fp8", 8), ("fp4", 16)])
+@pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if len(c[4]) == 3], ids=str)
+def test_sink_attention_on_packed_entries(case, kind, block, dtype, splits):
+    t, h, d, k, sizes = case
+    q, sources, rows, valid, sinks = attention_inputs(t, h, d, k, sizes, dtype, seed=ATTENTION_CASES.index(case))
+    sources[2] = packed(sources[2], kind, block)
+    assert sources[2].data.dtype == torch.uint8
+    out = sink_attention_triton(q, sources, rows, valid, sinks, d**-0.5, splits=splits)
+    assert_close(out, sink_attention_torch(q, sources, rows, valid, sinks, d**-0.5), tolerance(dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("overlap", [False, True], ids=["hca", "csa"])
 @pytest.mark.parametrize("rate,d,n", [(4, 16, 9), (8, 24, 1), (4, 24, 1), (8, 16, 9)])
@@ -130,6 +152,26 @@ def test_indexer_scores(t, e, h, d, dtype):
     q, keys, rows, visible, head_w = (x.to(DEVICE) for x in (q, keys, rows, visible, head_w))
     out = indexer_scores_triton(q, keys, rows, visible, head_w)
     assert_close(out, indexer_scores_torch(q, keys, rows, visible, head_w), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,block", [("fp8", 16), ("fp4", 8)])
+@pytest.mark.parametrize("t,e,k", [(5, 13, 4), (2, 300, 50)])
+def test_indexer_on_packed_keys(t, e, k, kind, block, dtype):
+    """Keys held packed: the scores equal the reference's on the decoded keys, and the fused top-k
+    ranks like them up to near-ties."""
+    g = torch.Generator().manual_seed(e + k)
+    h, d = 3, 32
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    keys = packed(torch.randn(60, d, generator=g).to(dtype).to(DEVICE), kind, block)
+    rows = torch.randint(0, 60, (t, e), generator=g)
+    visible = torch.rand(t, e, generator=g) < 0.8
+    head_w = torch.randn(t, h, generator=g)
+    q, rows, visible, head_w = (x.to(DEVICE) for x in (q, rows, visible, head_w))
+    ref = indexer_scores_torch(q, keys, rows, visible, head_w)
+    assert torch.equal(torch.isfinite(ref), visible)
+    assert_close(indexer_scores_triton(q, keys, rows, visible, head_w), ref, 1e-5)
+    assert_ranked_like(*indexer_topk_triton(q, keys, rows, visible, head_w, k), ref, 1e-5)
 
 
 def assert_ranked_like(order: torch.Tensor, valid: torch.Tensor, ref: torch.Tensor, tol: float) -> None:

@@ -39,6 +39,21 @@ def test_memory_of_the_gb300_deployment(capsys):
     assert "V4-Flash as FP8+FP4" in capsys.readouterr().out
 
 
+def test_memory_reports_state_and_the_decode_batch_at_128k(capsys):
+    """V4-Flash's state as the runtime holds it: 6,584 bytes a token in bf16 (entries of every
+    compressed layer, indexer keys of every CSA layer), FP8 entries halve it, FP4 keys take a little
+    more; the fixed part (windows and carries) stays. More state per GPU means a larger decode batch."""
+    assert cli(["memory", "--config", "deploy/gb300-nvl72.yaml", "--json"]) == 0
+    state = json.loads(capsys.readouterr().out)["state"]
+    assert [state[s]["bytes/token"] for s in ("auto", "fp8", "fp8-fp4")] == [6584, 3497.75, 3217.75]
+    assert state["auto"]["fixed MiB/request"] == state["fp8-fp4"]["fixed MiB/request"] > 10
+    for gpu in ("gb300", "h200"):
+        batches = [state[s][f"batch on {gpu}"] for s in ("auto", "fp8", "fp8-fp4")]
+        assert 0 < batches[0] < batches[1] < batches[2] < 2.1 * batches[0]
+    assert cli(["memory", "--config", "deploy/gb300-nvl72.yaml"]) == 0
+    assert "batch on gb300" in capsys.readouterr().out
+
+
 def test_engine_weights_setting_is_checked():
     assert EngineConfig(weights="dequantize").weights == "dequantize"
     with pytest.raises(ConfigError, match="weights='fp16' must be one of"):

@@ -12,7 +12,9 @@ from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt
 from rackserve.config import CSA, HCA, ConfigError, EngineConfig, ModelConfig
 from rackserve.engine import LLM, SamplingParams
 from rackserve.engine.sampling import SamplingBatch, sample
-from rackserve.model import load_model
+from rackserve.engine.state_cache import StateCache
+from rackserve.model import ForwardBatch, load_model
+from rackserve.model.rollback import Rollback
 from rackserve.model.tiny import make_tiny
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -53,12 +55,12 @@ def plain(checkpoint):
     return run(checkpoint, 0)
 
 
-def assert_like_plain(checkpoint, got: list[list[int]], plain: list[list[int]]) -> None:
+def assert_like_plain(checkpoint, got: list[list[int]], plain: list[list[int]], state_dtype: str = "auto") -> None:
     """Outputs with speculation are those without (verifying k+1 positions in one forward is
     another shape of computation: equal up to near-ties)."""
     prompts = [prompt(n, seed=50 + i) for i, (n, _, _) in enumerate(ARRIVALS)]
     params = [SamplingParams(max_tokens=m, **GREEDY) for _, m, _ in ARRIVALS]
-    assert_same_tokens(checkpoint, prompts, got, plain, params)
+    assert_same_tokens(checkpoint, prompts, got, plain, params, state_dtype=state_dtype)
 
 
 def noisy_oracle(plain: list[list[int]], wrong_every: int = 3):
@@ -129,6 +131,41 @@ def test_state_after_rejections_equals_a_run_without_them(checkpoint, plain):
     for key in sorted(common):
         for a, b in zip(with_rejections[key], never_drafted[key], strict=True):
             assert torch.allclose(a, b, atol=1e-5), key
+
+
+def test_greedy_output_with_drafts_on_quantised_state_is_that_without(checkpoint):
+    quantised = dict(state_dtype="fp8-fp4")
+    plain_quantised = run(checkpoint, 0, **quantised)
+    got = run(checkpoint, 3, oracle=noisy_oracle(plain_quantised), **quantised)
+    assert run.stats["spec_drafts"] > run.stats["spec_mean_accepted"] * run.stats["spec_verifies"]  # rejections
+    assert_like_plain(checkpoint, got, plain_quantised, "fp8-fp4")
+
+
+def test_undoing_every_draft_restores_quantised_state_byte_for_byte(checkpoint):
+    """A verify forward of 3 drafts per request writes windows, carries, and (crossing a window end)
+    packed entries and keys; undoing all of them gives back the exported bytes from before it. (Runs
+    with and without rejected drafts are not compared byte for byte on quantised state, as above on
+    unquantised state: their differently shaped computations differ in the last bits, which an FP8
+    rounding boundary can turn into one code step.)"""
+    model = load_model(checkpoint)
+    cache = StateCache(model.config, 16, 2, 16 << 20, prefix_caching=False, mtp_layers=0, state_dtype="fp8-fp4")
+    handles = [cache.allocate(), cache.allocate()]
+    for handle, n in zip(handles, (14, 29)):  # 3 drafts after 14 / 29 tokens cross the 16- and 32-token ends
+        assert cache.reserve(handle, n + 4)
+        with torch.no_grad():
+            model(ForwardBatch.build(cache.state, [(handle, prompt(n, seed=n))]), cache.state)
+        handle.num_tokens = n
+    before = [cache.export(h).tensors for h in handles]
+    batch = ForwardBatch.build(cache.state, [(h, prompt(4, seed=h.num_tokens + 1)) for h in handles])
+    undo = Rollback(cache.state, batch, torch.ones(8, dtype=torch.bool), range(model.config.num_hidden_layers))
+    with torch.no_grad():
+        model(batch, cache.state)
+    written = [a for h, was in zip(handles, before) for a, b in zip(cache.export(h).tensors, was)
+               if not torch.equal(a, b)]
+    assert any(t.dtype == torch.uint8 for t in written)  # packed entries / keys among what the drafts wrote
+    undo.undo(torch.ones(8, dtype=torch.bool))
+    for handle, was in zip(handles, before):
+        assert all(torch.equal(a, b) for a, b in zip(cache.export(handle).tensors, was, strict=True))
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(checkpoint):

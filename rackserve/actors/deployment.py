@@ -32,7 +32,7 @@ import ray
 
 from rackserve.actors.instance import Instance, InstanceError
 from rackserve.actors.kv_store import KVStore
-from rackserve.config import ConfigError
+from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import SamplingParams
 from rackserve.model.tiny import ensure_tiny
 from rackserve.model.tokenizer import Tokenizer
@@ -49,6 +49,10 @@ class _Route:
     decode_tokens: int  # state the decode rank holds (prompt + max output), for its load
 
 
+# EngineConfig fields that fix the layout of the state bytes moved between ranks and stores
+LAYOUT_FIELDS = ("state_dtype", "dtype", "block_size")
+
+
 def _role_engine_kwargs(common: dict, prefill: dict | None, decode: dict | None) -> tuple[dict, dict]:
     """The `EngineConfig` fields of prefill and decode ranks: `common` with each role's on top.
 
@@ -56,7 +60,8 @@ def _role_engine_kwargs(common: dict, prefill: dict | None, decode: dict | None)
     the state a prefill rank pushes to a decode rank, so both sides must agree on whether it is on.
     Set on the decode side alone, the prefill side keeps the MTP layer's state as well (decode
     drafts from it) and drafts the least it can, one token (its drafts are not sent); set on the
-    prefill side alone, it is refused, saying where it belongs."""
+    prefill side alone, it is refused, saying where it belongs. The state's layout (`LAYOUT_FIELDS`)
+    must be the same on both sides."""
     prefill, decode = {**common, **(prefill or {})}, {**common, **(decode or {})}
     k_prefill, k_decode = prefill.get("speculative_tokens", 0), decode.get("speculative_tokens", 0)
     if k_decode and "speculative_tokens" not in prefill:
@@ -66,6 +71,14 @@ def _role_engine_kwargs(common: dict, prefill: dict | None, decode: dict | None)
             f"speculative_tokens is {k_prefill} for prefill but {k_decode} for decode: with speculation the state "
             "pushed from prefill to decode carries the MTP layer, so both sides must have it on or off; set "
             "speculative_tokens in decode_engine_kwargs (or engine_kwargs) only, and prefill follows")
+    defaults = EngineConfig()
+    for key in LAYOUT_FIELDS:
+        theirs = [kwargs.get(key, getattr(defaults, key)) for kwargs in (prefill, decode)]
+        if theirs[0] != theirs[1]:
+            raise ConfigError(
+                f"{key} is {theirs[0]!r} for prefill but {theirs[1]!r} for decode: state pushed from prefill to "
+                f"decode (and read from the KV stores) is moved as stored, so both must hold it the same way; set "
+                f"{key} once in engine_kwargs")
     return prefill, decode
 
 

@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from rackserve.config import EngineConfig, ModelConfig
 from rackserve.engine.prefix_store import PrefixStore
 from rackserve.model.tiny import ensure_tiny
@@ -32,7 +34,8 @@ class KVStore:
         ranks = EngineConfig(**(engine_kwargs or {})).resolve(config)
         agent = KVAgent(f"{name}-{secrets.token_hex(4)}", int(pool_mb * 2**20))
         self.store = PrefixStore(config, ranks.block_size, agent, memory_mb, int(inbox_mb * 2**20),
-                                 mtp_layers=int(ranks.speculative_tokens > 0))
+                                 mtp_layers=int(ranks.speculative_tokens > 0), dtype=getattr(torch, ranks.dtype),
+                                 state_dtype=ranks.state_dtype)
         self._lock = threading.Lock()
         self._busy_until = 0.0
         threading.Thread(target=self._poll_loop, daemon=True, name="kv-store-poll").start()

@@ -47,14 +47,14 @@ def request_ids(vocab_size: int, batch: int, prompt: int) -> tuple[torch.Tensor,
     return ids, torch.randint(0, vocab_size, (batch, 1), generator=g)
 
 
-def model_steps(model: DeepseekV4ForCausalLM, ids: torch.Tensor,
-                next_ids: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+def model_steps(model: DeepseekV4ForCausalLM, ids: torch.Tensor, next_ids: torch.Tensor,
+                state_dtype: str = "auto") -> tuple[Callable[[], None], Callable[[], None]]:
     """rackserve's two timed shapes for `model`, as closures (prefill, decode).
 
     prefill: `ids[0]` as one request in a fresh cache slot, freed after. decode: one step of `len(ids)`
     requests whose histories are the rows of `ids` (prefilled here, once), each appending its token of
     `next_ids`, so every call grows each history by one token. The caches are in the model's dtype and
-    on its device, as the engine keeps them.
+    on its device, as the engine keeps them, their entries and indexer keys held as `state_dtype`.
     """
     config = model.config
     n = ids.shape[1]
@@ -62,7 +62,7 @@ def model_steps(model: DeepseekV4ForCausalLM, ids: torch.Tensor,
 
     def new_cache(slots: int) -> StateCache:
         return StateCache(config, block, max_requests=slots, budget_bytes=256 << 20, prefix_caching=False,
-                          dtype=model.dtype, device=model.lm_head.weight.device)
+                          dtype=model.dtype, device=model.lm_head.weight.device, state_dtype=state_dtype)
 
     prefill_cache = new_cache(1)
 

@@ -45,7 +45,7 @@ class Engine:
         self.cache = StateCache(model.config, c.block_size, c.max_num_seqs, int(c.state_memory_mb * 2**20),
                                 prefix_caching=c.prefix_caching, max_snapshots=c.prefix_snapshots,
                                 dtype=model.dtype, device=model.lm_head.weight.device,
-                                mtp_layers=int(c.speculative_tokens > 0))
+                                mtp_layers=int(c.speculative_tokens > 0), state_dtype=c.state_dtype)
         if self.cache.pages_for(c.max_model_len) > self.cache.num_pages:
             raise ValueError(
                 f"state_memory_mb={c.state_memory_mb} holds {self.cache.num_pages} pages of {c.block_size} tokens, "

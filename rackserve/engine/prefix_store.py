@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 import msgpack
+import torch
 
 from rackserve.config import ModelConfig
 from rackserve.engine.state_cache import StateCache
@@ -38,16 +39,17 @@ class StoreStats:
 
 class PrefixStore:
     def __init__(self, config: ModelConfig, block_size: int, agent: KVAgent, memory_mb: float,
-                 inbox_bytes: int, snapshot_share: float = 0.25, pin_ttl_s: float = 30.0, mtp_layers: int = 0):
+                 inbox_bytes: int, snapshot_share: float = 0.25, pin_ttl_s: float = 30.0, mtp_layers: int = 0,
+                 dtype: torch.dtype = torch.float32, state_dtype: str = "auto"):
         """`memory_mb` of cached state (blocks and snapshots; `snapshot_share` of it at most for
         snapshots); the agent's pool holds the inboxes (`inbox_bytes` per writer) and pinned reads;
-        `mtp_layers`: 1 when the writers' state has the MTP layer's (speculative decoding)."""
+        `mtp_layers`: 1 when the writers' state has the MTP layer's (speculative decoding); `dtype` and
+        `state_dtype`: the writers' (the store holds their bytes as they are)."""
         budget = int(memory_mb * 2**20)
-        probe = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=0, device="meta",
-                           mtp_layers=mtp_layers)
+        layout = dict(dtype=dtype, mtp_layers=mtp_layers, state_dtype=state_dtype)
+        probe = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=0, device="meta", **layout)
         snapshots = max(1, int(budget * snapshot_share) // probe.state.slot_bytes)
-        self.cache = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=snapshots,
-                                mtp_layers=mtp_layers)
+        self.cache = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=snapshots, **layout)
         self.agent, self.inbox_bytes, self.pin_ttl_s = agent, inbox_bytes, pin_ttl_s
         self._inboxes: dict[str, int] = {}  # writer agent name -> offset of its inbox in the pool
         self._pins: dict[int, float] = {}  # pool offset of a lookup result -> expiry (time.monotonic())

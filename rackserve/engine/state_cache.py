@@ -59,11 +59,14 @@ def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
 class StateCache:
     def __init__(self, config: ModelConfig, block_size: int, max_requests: int, budget_bytes: int,
                  prefix_caching: bool = True, max_snapshots: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", mtp_layers: int = 0):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", mtp_layers: int = 0,
+                 state_dtype: str = "auto"):
         """Size the memory from `budget_bytes`: `max_requests + max_snapshots` slots, pages for the rest.
-        `mtp_layers`: 1 to hold the MTP layer's state too (speculative decoding)."""
+        `mtp_layers`: 1 to hold the MTP layer's state too (speculative decoding); `state_dtype`: how
+        entries and indexer keys are stored (`ModelState`)."""
         max_snapshots = (max_requests if max_snapshots is None else max_snapshots) if prefix_caching else 0
-        probe = ModelState(config, 1, 1, block_size, dtype, device="meta", mtp_layers=mtp_layers)
+        probe = ModelState(config, 1, 1, block_size, dtype, device="meta", mtp_layers=mtp_layers,
+                           state_dtype=state_dtype)
         slots = max_requests + max_snapshots
         slot_bytes, page_bytes = probe.slot_bytes, probe.page_bytes
         rest = budget_bytes - slots * slot_bytes
@@ -74,7 +77,7 @@ class StateCache:
                 f"{slot_bytes / 2**20:.2f} MiB plus pages of {page_bytes / 2**20:.3f} MiB; raise the state "
                 "memory or lower max_num_seqs / prefix_snapshots"
             )
-        self.state = ModelState(config, slots, int(pages), block_size, dtype, device, mtp_layers)
+        self.state = ModelState(config, slots, int(pages), block_size, dtype, device, mtp_layers, state_dtype)
         self.block_size, self.max_snapshots, self.prefix_caching = block_size, max_snapshots, prefix_caching
         self.stats = CacheStats()
         self._free_slots = list(range(slots - 1, -1, -1))

@@ -17,11 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
+from rackserve.kernels.packed_rows import PackedRows, kernel_args, load_packed
 from rackserve.kernels.triton_utils import dot_dtype, round_to_bf16, tl_dtype
 
 
-def gather_rows(sources: Sequence[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-    """Rows of the virtual concatenation of `sources` (`[n_i, C]` each): rows `[...]` -> `[..., C]`.
+def gather_rows(sources: Sequence[torch.Tensor | PackedRows], rows: torch.Tensor) -> torch.Tensor:
+    """Rows of the virtual concatenation of `sources` (`[n_i, C]` each; packed rows are decoded as
+    they are gathered): rows `[...]` -> `[..., C]`.
 
     One gather per source, merged by which source each row falls in; the sources themselves are
     never concatenated (the entry pages can be most of the state memory).
@@ -36,9 +38,11 @@ def gather_rows(sources: Sequence[torch.Tensor], rows: torch.Tensor) -> torch.Te
     return out
 
 
-def sink_attention_torch(q: torch.Tensor, sources: Sequence[torch.Tensor], rows: torch.Tensor, valid: torch.Tensor,
+def sink_attention_torch(q: torch.Tensor, sources: Sequence[torch.Tensor | PackedRows], rows: torch.Tensor,
+                         valid: torch.Tensor,
                          sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[T, H, d]`; sources: key tensors `[n_i, d]`; rows/valid `[T, K]`; sinks `[H]` -> `[T, H, d]`.
+    """q `[T, H, d]`; sources: key tensors `[n_i, d]` (or packed rows, decoded as gathered); rows/valid
+    `[T, K]`; sinks `[H]` -> `[T, H, d]`.
 
     softmax over [q·k · scale for valid keys, sink_h], values = keys, sink dropped. fp32 softmax.
     """
@@ -59,16 +63,18 @@ _LOG2E = tl.constexpr(1.4426950408889634)  # the kernel works in exp2
 @triton.jit
 def _sink_attention_kernel(
         q_ptr, out_ptr, rows_ptr, valid_ptr, sinks_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-        src0_ptr, src1_ptr, src2_ptr, n0, n1, n2,
-        s0_row, s0_col, s1_row, s1_col, s2_row, s2_col,
+        src0_ptr, src1_ptr, src2_ptr, src2_words_ptr, n0, n1, n2,
+        s0_row, s0_col, s1_row, s1_col, s2_row, s2_col, s2_scale_col, s2_block,
         H, D, K, SPAN, qk_scale,
         q_st, q_sh, q_sd, o_st, o_sh, o_sd, r_st, r_sk, v_st, v_sk,
-        NUM_SOURCES: tl.constexpr, IN_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr,
+        NUM_SOURCES: tl.constexpr, SRC2_BITS: tl.constexpr, IN_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """Keys [split · SPAN, (split+1) · SPAN) of query t for a block of heads. Without SPLIT the
     program sees every key and writes the normalised output; with SPLIT it writes its partial
     softmax state (running max m and sum l, log2 domain, and the unnormalised acc) to
-    `part_m/part_l/part_acc` for `_combine_kernel`, which folds in the sink."""
+    `part_m/part_l/part_acc` for `_combine_kernel`, which folds in the sink. Source 2 may be
+    packed rows (SRC2_BITS 8 or 4: `rackserve.kernels.packed_rows`), decoded here in registers."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -109,8 +115,16 @@ def _sink_attention_kernel(
         if NUM_SOURCES == 3:
             local = local - n1
             inside = ok & (local >= 0) & (local < n2)
-            part = tl.load(src2_ptr + local[:, None] * s2_row + offs_d[None, :] * s2_col,
-                           mask=inside[:, None] & mask_d[None, :], other=0.0).to(IN_DTYPE)
+            if SRC2_BITS == 0:
+                part = tl.load(src2_ptr + local[:, None] * s2_row + offs_d[None, :] * s2_col,
+                               mask=inside[:, None] & mask_d[None, :], other=0.0).to(IN_DTYPE)
+            else:
+                # rounded to the model dtype as the reference's decoded rows are (fp32 -> IN_DTYPE)
+                part = load_packed(src2_ptr, src2_words_ptr, local, inside, offs_d, mask_d, s2_row, s2_scale_col,
+                                   s2_block, SRC2_BITS)
+                if ROUND_BF16:
+                    part = round_to_bf16(part)
+                part = part.to(IN_DTYPE)
             key = tl.where(inside[:, None], part, key)
         key = key.to(DOT_DTYPE)
 
@@ -172,7 +186,8 @@ def _combine_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, out_ptr, H,
                ROUND_BF16)
 
 
-def sink_attention_triton(q: torch.Tensor, sources: Sequence[torch.Tensor], rows: torch.Tensor, valid: torch.Tensor,
+def sink_attention_triton(q: torch.Tensor, sources: Sequence[torch.Tensor | PackedRows], rows: torch.Tensor,
+                          valid: torch.Tensor,
                           sinks: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
     """Triton version of `sink_attention_torch` (same shapes and semantics).
 
@@ -198,9 +213,17 @@ def sink_attention_triton(q: torch.Tensor, sources: Sequence[torch.Tensor], rows
         return out
     if not 1 <= len(sources) <= 3:
         raise ValueError(f"sink_attention_triton takes 1 to 3 key sources, got {len(sources)}")
-    srcs = [(s, s.shape[0], s.stride(0), s.stride(1)) if s.shape[0] else (q, 0, 0, 0) for s in sources]
-    srcs += [(q, 0, 0, 0)] * (3 - len(srcs))  # an empty source is never read: any pointer will do
+    if any(isinstance(s, PackedRows) for s in sources[:2]):
+        raise ValueError("only the third key source (the compressed entries) may be packed rows")
+    # the third source's bytes, fp32 words (scales), scale column, block and bits (0: not packed)
+    s2_data, s2_words, s2_scale_col, s2_block, s2_bits = kernel_args(sources[2]) if len(sources) == 3 else \
+        (q, q, 0, 1, 0)
+    # an empty source is never read: any pointer will do
+    srcs = [(s, s.shape[0], s.stride(0), s.stride(1)) if s.shape[0] else (q, 0, 0, 0)
+            for s in [*sources[:2], s2_data][:len(sources)]]
+    srcs += [(q, 0, 0, 0)] * (3 - len(srcs))
     (s0, n0, s0r, s0c), (s1, n1, s1r, s1c), (s2, n2, s2r, s2c) = srcs
+    s2_words = s2_words if n2 else q
 
     # Tiles sized to stay under 255 registers without spills for bf16 on sm_90 (checked with an
     # offline compile): the gathered key tile needs a 64-bit pointer per element.
@@ -221,10 +244,10 @@ def sink_attention_triton(q: torch.Tensor, sources: Sequence[torch.Tensor], rows
                   BLOCK_D=block_d)
     _sink_attention_kernel[(t, head_blocks, splits)](
         q, out, rows, valid, sinks, part_m, part_l, part_acc,
-        s0, s1, s2, n0, n1, n2, s0r, s0c, s1r, s1c, s2r, s2c,
+        s0, s1, s2, s2_words, n0, n1, n2, s0r, s0c, s1r, s1c, s2r, s2c, s2_scale_col, s2_block,
         h, d, k, span, float(scale) * _LOG2E.value,
         *q.stride(), *out.stride(), *rows.stride(), *valid.stride(),
-        NUM_SOURCES=max(2, len(sources)), DOT_DTYPE=dot_dtype(q), SPLIT=split, BLOCK_K=block_k,
+        NUM_SOURCES=max(2, len(sources)), SRC2_BITS=s2_bits, DOT_DTYPE=dot_dtype(q), SPLIT=split, BLOCK_K=block_k,
         num_warps=4 if block_h * block_d <= 2048 else 8, **common)
     if split:
         _combine_kernel[(t, head_blocks)](part_m, part_l, part_acc, sinks, out, h, d, splits, *out.stride(),

@@ -22,13 +22,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rackserve.kernels.triton_utils import dot_dtype
+from rackserve.kernels.packed_rows import PackedRows, kernel_args, load_packed
+from rackserve.kernels.triton_utils import dot_dtype, round_to_bf16, tl_dtype
 
 
-def indexer_scores_torch(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
+def indexer_scores_torch(q: torch.Tensor, keys: torch.Tensor | PackedRows, rows: torch.Tensor, visible: torch.Tensor,
                          head_w: torch.Tensor) -> torch.Tensor:
-    """q `[T, H, d]`, keys `[R, d]`, rows/visible `[T, E]`, head_w `[T, H]` -> scores `[T, E]` fp32,
-    -inf where not visible."""
+    """q `[T, H, d]`, keys `[R, d]` (or packed rows, decoded as gathered), rows/visible `[T, E]`,
+    head_w `[T, H]` -> scores `[T, E]` fp32, -inf where not visible."""
     k = keys[rows]
     relu = F.relu(torch.einsum("thd,ted->the", q.float(), k.float())) * q.shape[-1] ** -0.5
     score = torch.einsum("the,th->te", relu, head_w.float())
@@ -36,17 +37,26 @@ def indexer_scores_torch(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor
 
 
 @triton.jit
-def _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, E, R, r_st, r_se, v_st, v_se, k_r, k_c,
-                 offs_d, mask_d, DOT_DTYPE: tl.constexpr, BLOCK_E: tl.constexpr):
+def _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, words_ptr, E, R, r_st, r_se, v_st, v_se, k_r, k_c,
+                 scale_col, block, offs_d, mask_d, KEY_BITS: tl.constexpr, KEY_DTYPE: tl.constexpr,
+                 KEY_BF16: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_E: tl.constexpr):
     """Scores of candidates e0 .. e0+BLOCK_E of query t (q `[BLOCK_H, BLOCK_D]`, w `[BLOCK_H]` already
-    scaled): (offsets `[BLOCK_E]`, in range, scores with -inf where not visible)."""
+    scaled): (offsets `[BLOCK_E]`, in range, scores with -inf where not visible). With KEY_BITS 8 or
+    4 the keys are packed rows (`rackserve.kernels.packed_rows`), decoded here and rounded to
+    KEY_DTYPE as the reference decodes them."""
     offs_e = e0 + tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
     row = tl.load(rows_ptr + t * r_st + offs_e * r_se, mask=mask_e, other=-1)
     seen = (tl.load(visible_ptr + t * v_st + offs_e * v_se, mask=mask_e, other=0) != 0) & mask_e
     inside = seen & (row >= 0) & (row < R)
-    key = tl.load(keys_ptr + row[:, None] * k_r + offs_d[None, :] * k_c,
-                  mask=inside[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+    if KEY_BITS == 0:
+        key = tl.load(keys_ptr + row[:, None] * k_r + offs_d[None, :] * k_c,
+                      mask=inside[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+    else:
+        key = load_packed(keys_ptr, words_ptr, row, inside, offs_d, mask_d, k_r, scale_col, block, KEY_BITS)
+        if KEY_BF16:  # rounded first: the interpreter's cast truncates
+            key = round_to_bf16(key)
+        key = key.to(KEY_DTYPE).to(DOT_DTYPE)
     s = tl.maximum(tl.dot(q, tl.trans(key), input_precision="ieee"), 0.0)  # [BLOCK_H, BLOCK_E]
     score = tl.sum(s * w[:, None], axis=0)
     return offs_e, mask_e, tl.where(seen, score, float("-inf"))
@@ -66,25 +76,28 @@ def _load_query(q_ptr, w_ptr, t, H, D, sm_scale, q_st, q_sh, q_sd, w_st, w_sh,
 
 @triton.jit
 def _indexer_scores_kernel(
-        q_ptr, keys_ptr, rows_ptr, visible_ptr, w_ptr, out_ptr, H, D, E, R, SPAN, sm_scale,
-        q_st, q_sh, q_sd, k_r, k_c, r_st, r_se, v_st, v_se, w_st, w_sh, o_st, o_se,
-        DOT_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
+        q_ptr, keys_ptr, words_ptr, rows_ptr, visible_ptr, w_ptr, out_ptr, H, D, E, R, SPAN, sm_scale,
+        q_st, q_sh, q_sd, k_r, k_c, scale_col, block, r_st, r_se, v_st, v_se, w_st, w_sh, o_st, o_se,
+        KEY_BITS: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_BF16: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * SPAN
     offs_d = tl.arange(0, BLOCK_D)
     # every head's query once per program, reused for SPAN entries
     q, w = _load_query(q_ptr, w_ptr, t, H, D, sm_scale, q_st, q_sh, q_sd, w_st, w_sh, DOT_DTYPE, BLOCK_H, BLOCK_D)
     for e0 in range(start, tl.minimum(start + SPAN, E), BLOCK_E):
-        offs_e, mask_e, score = _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, E, R, r_st, r_se, v_st,
-                                             v_se, k_r, k_c, offs_d, offs_d < D, DOT_DTYPE, BLOCK_E)
+        offs_e, mask_e, score = _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, words_ptr, E, R, r_st, r_se,
+                                             v_st, v_se, k_r, k_c, scale_col, block, offs_d, offs_d < D, KEY_BITS,
+                                             KEY_DTYPE, KEY_BF16, DOT_DTYPE, BLOCK_E)
         tl.store(out_ptr + t * o_st + offs_e * o_se, score, mask=mask_e)
 
 
 @triton.jit
 def _indexer_topk_kernel(
-        q_ptr, keys_ptr, rows_ptr, visible_ptr, w_ptr, order_ptr, valid_ptr, H, D, E, R, K, sm_scale,
-        q_st, q_sh, q_sd, k_r, k_c, r_st, r_se, v_st, v_se, w_st, w_sh,
-        DOT_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+        q_ptr, keys_ptr, words_ptr, rows_ptr, visible_ptr, w_ptr, order_ptr, valid_ptr, H, D, E, R, K, sm_scale,
+        q_st, q_sh, q_sd, k_r, k_c, scale_col, block, r_st, r_se, v_st, v_se, w_st, w_sh,
+        KEY_BITS: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_BF16: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program per query: scores BLOCK_K candidates at a time and keeps a running top-BLOCK_K.
 
     Each candidate becomes one int64 key, (order-preserving bits of its score) << 32 | (2³¹−1 − e),
@@ -96,8 +109,9 @@ def _indexer_topk_kernel(
     lowest = -9223372036854775807 - 1
     best = tl.full([BLOCK_K], lowest, tl.int64)
     for e0 in range(0, E, BLOCK_K):
-        offs_e, mask_e, score = _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, E, R, r_st, r_se, v_st,
-                                             v_se, k_r, k_c, offs_d, offs_d < D, DOT_DTYPE, BLOCK_K)
+        offs_e, mask_e, score = _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, words_ptr, E, R, r_st, r_se,
+                                             v_st, v_se, k_r, k_c, scale_col, block, offs_d, offs_d < D, KEY_BITS,
+                                             KEY_DTYPE, KEY_BF16, DOT_DTYPE, BLOCK_K)
         bits = (score + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into 0.0: they tie
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
         key = tl.where(mask_e, (ordered << 32) | (0x7FFFFFFF - offs_e).to(tl.int64), lowest)
@@ -109,12 +123,17 @@ def _indexer_topk_kernel(
     tl.store(valid_ptr + t * K + ranks, valid.to(tl.int8), mask=ranks < K)
 
 
-def _dot(q: torch.Tensor, keys: torch.Tensor):
+def _key_args(q: torch.Tensor, keys: torch.Tensor | PackedRows) -> tuple[tuple, dict]:
+    """The keys' kernel arguments (bytes or tensor, fp32 words, strides, scale column, block) and
+    constexprs (bits, the dtype keys are read in, the dot's operand dtype)."""
+    data, words, scale_col, block, bits = kernel_args(keys)
     # the dot takes one operand dtype: mixed inputs meet in fp32, which loses nothing
-    return dot_dtype(q) if q.dtype == keys.dtype else tl.float32
+    dot = dot_dtype(q) if q.dtype == keys.dtype else tl.float32
+    return ((data, words if data.shape[0] else data, *data.stride(), scale_col, block),
+            dict(KEY_BITS=bits, KEY_DTYPE=tl_dtype(keys.dtype), KEY_BF16=keys.dtype == torch.bfloat16, DOT_DTYPE=dot))
 
 
-def indexer_scores_triton(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
+def indexer_scores_triton(q: torch.Tensor, keys: torch.Tensor | PackedRows, rows: torch.Tensor, visible: torch.Tensor,
                           head_w: torch.Tensor) -> torch.Tensor:
     """Triton version of `indexer_scores_torch` (same shapes and semantics).
 
@@ -130,15 +149,16 @@ def indexer_scores_triton(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tenso
     block_e = 32
     span = 4 * block_e
     visible = visible.view(torch.uint8)
+    (data, words, k_r, k_c, scale_col, block), consts = _key_args(q, keys)
     _indexer_scores_kernel[(t, triton.cdiv(e, span))](
-        q, keys, rows, visible, head_w, out, h, d, e, keys.shape[0], span, d**-0.5,
-        *q.stride(), *keys.stride(), *rows.stride(), *visible.stride(), *head_w.stride(), *out.stride(),
-        DOT_DTYPE=_dot(q, keys), BLOCK_H=max(16, triton.next_power_of_2(h)),
+        q, data, words, rows, visible, head_w, out, h, d, e, keys.shape[0], span, d**-0.5,
+        *q.stride(), k_r, k_c, scale_col, block, *rows.stride(), *visible.stride(), *head_w.stride(), *out.stride(),
+        **consts, BLOCK_H=max(16, triton.next_power_of_2(h)),
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_E=block_e)
     return out
 
 
-def indexer_topk_torch(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
+def indexer_topk_torch(q: torch.Tensor, keys: torch.Tensor | PackedRows, rows: torch.Tensor, visible: torch.Tensor,
                        head_w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best candidates of each query: (positions `[T, min(k, E)]` into its E candidates, best
     first, and whether each is a visible entry). Scores as `indexer_scores_torch`; ties go to the
@@ -146,7 +166,7 @@ def indexer_topk_torch(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, 
     return top_entries(indexer_scores_torch(q, keys, rows, visible, head_w), k)
 
 
-def indexer_topk_triton(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor,
+def indexer_topk_triton(q: torch.Tensor, keys: torch.Tensor | PackedRows, rows: torch.Tensor, visible: torch.Tensor,
                         head_w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `indexer_topk_torch`: scores fused with a running top-k, one program per
     query, so the `[T, E]` scores never reach memory (E grows with the context: 25K entries at
@@ -159,10 +179,11 @@ def indexer_topk_triton(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
     if t == 0 or k == 0:
         return order, valid
     visible = visible.view(torch.uint8)
+    (data, words, k_r, k_c, scale_col, block), consts = _key_args(q, keys)
     _indexer_topk_kernel[(t,)](
-        q, keys, rows, visible, head_w, order, valid.view(torch.int8), h, d, e, keys.shape[0], k, d**-0.5,
-        *q.stride(), *keys.stride(), *rows.stride(), *visible.stride(), *head_w.stride(),
-        DOT_DTYPE=_dot(q, keys), BLOCK_H=max(16, triton.next_power_of_2(h)),
+        q, data, words, rows, visible, head_w, order, valid.view(torch.int8), h, d, e, keys.shape[0], k, d**-0.5,
+        *q.stride(), k_r, k_c, scale_col, block, *rows.stride(), *visible.stride(), *head_w.stride(),
+        **consts, BLOCK_H=max(16, triton.next_power_of_2(h)),
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_K=max(16, triton.next_power_of_2(k)))
     return order, valid
 

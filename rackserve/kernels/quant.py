@@ -93,7 +93,7 @@ def encode_fp4(y: torch.Tensor) -> torch.Tensor:
     for mid, up_at_tie in _FP4_UP_AT_TIE:
         code += (a >= mid if up_at_tie else a > mid).to(torch.uint8)
     code |= torch.signbit(y).to(torch.uint8) << 3
-    pairs = F.pad(code, (0, y.shape[1] % 2)).view(y.shape[0], -1, 2)
+    pairs = F.pad(code, (0, y.shape[1] % 2)).view(y.shape[0], (y.shape[1] + 1) // 2, 2)
     return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
 
 
@@ -110,6 +110,27 @@ def dequantize_fp4_torch(packed: torch.Tensor, scales: torch.Tensor, block: int,
 # Triton: one program per (row, GROUPS scale blocks); each block is a row of a [GROUPS, BLOCK] tile
 # (BLOCK = block rounded up to a power of two, the rest masked), for fp4 a [GROUPS, BLOCK/2, 2] tile
 # whose last axis is the two elements that share a byte.
+
+@triton.jit
+def e4m3_value(code):
+    """int32 e4m3fn codes (0..255) -> their fp32 values, unscaled."""
+    exp = (code >> 3) & 0xF
+    man = code & 0x7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man · 2⁻⁹
+    mag = tl.where((code & 0x7F) == 0x7F, float("nan"), mag)
+    return tl.where(code >= 0x80, -mag, mag)
+
+
+@triton.jit
+def e2m1_value(code):
+    """int32 e2m1 codes (0..15) -> their fp32 values, unscaled."""
+    exp = (code >> 1) & 0x3
+    man = (code & 1).to(tl.float32)
+    # exp 0 is subnormal (man · 0.5), else (2 + man) · 2^(exp - 2)
+    mag = tl.where(exp == 0, man * 0.5, (2.0 + man) * (1 << exp).to(tl.float32) * 0.25)
+    return tl.where(code >= 8, -mag, mag)
+
 
 @triton.jit
 def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, D, G, block,
@@ -150,12 +171,7 @@ def _dequantize_fp8_kernel(q_ptr, scale_ptr, out_ptr, D, G, block,
     mask = (i[None, :] < block) & (col < D)
     code = tl.load(q_ptr + row * D + col, mask=mask, other=0).to(tl.int32)
     scale = tl.load(scale_ptr + row * G + g, mask=g < G, other=1.0)
-    exp = (code >> 3) & 0xF
-    man = code & 0x7
-    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man · 2⁻⁹
-    mag = tl.where((code & 0x7F) == 0x7F, float("nan"), mag)
-    x = tl.where(code >= 0x80, -mag, mag) * scale[:, None]
+    x = e4m3_value(code) * scale[:, None]
     if RNE_BF16:  # interpreter only: its fp32 -> bf16 cast truncates, a GPU's rounds to nearest even
         x = round_to_bf16(x)
     tl.store(out_ptr + row * D + col, x.to(out_ptr.dtype.element_ty), mask=mask)
@@ -199,11 +215,7 @@ def _dequantize_fp4_kernel(packed_ptr, scale_ptr, out_ptr, D, G, block,
     byte = tl.load(packed_ptr + row * ((D + 1) // 2) + even // 2, mask=byte_mask, other=0).to(tl.int32)
     scale = tl.load(scale_ptr + row * G + g, mask=g < G, other=1.0)
     code = (byte[:, :, None] >> (4 * j)[None, None, :]) & 0xF
-    exp = (code >> 1) & 0x3
-    man = (code & 1).to(tl.float32)
-    # e2m1: exp 0 is subnormal (man · 0.5), else (2 + man) · 2^(exp - 2)
-    mag = tl.where(exp == 0, man * 0.5, (2.0 + man) * (1 << exp).to(tl.float32) * 0.25)
-    x = tl.where(code >= 8, -mag, mag) * scale[:, None, None]
+    x = e2m1_value(code) * scale[:, None, None]
     if RNE_BF16:  # interpreter only: its fp32 -> bf16 cast truncates, a GPU's rounds to nearest even
         x = round_to_bf16(x)
     col = even[:, :, None] + j[None, None, :]

@@ -15,6 +15,7 @@ from torch import nn
 from rackserve.config import CSA, ModelConfig
 from rackserve.kernels import dispatch
 from rackserve.kernels.mhc import unweighted_rms_norm
+from rackserve.kernels.packed_rows import PackedRows
 from rackserve.model.batch import CompressPlan, ForwardBatch
 from rackserve.model.layers import RMSNorm
 from rackserve.model.quantized import grouped_linear
@@ -42,19 +43,19 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
         self.kv_norm = RMSNorm(dim, eps)
 
-    def update(self, x: torch.Tensor, plan: CompressPlan, ring: torch.Tensor, entries: torch.Tensor,
+    def update(self, x: torch.Tensor, plan: CompressPlan, ring: torch.Tensor, entries: torch.Tensor | PackedRows,
                rotary: Rotary) -> None:
         """Emit the entries completed by this step into `entries` and roll `ring` forward.
 
-        x `[T, hidden]`; ring `[S, L, 2·width]` holds earlier tokens' `[kv | gate]`;
-        entries `[P, per_page, dim]`.
+        x `[T, hidden]`; ring `[S, L, 2·width]` holds earlier tokens' `[kv | gate]`; entries: the
+        state's rows `[P · per_page, dim]` (packed ones quantise what is written).
         """
         rows = torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)  # [T, 2·width]
         if plan.entry_dst.numel():
             src = plan.new_entries.gather(ring, rows)  # [E_new, K, 2·width]
             pooled = self.kv_norm(dispatch.compress_pool(src, plan.new_entries.valid, self.position_bias, self.overlap))
             cos, sin = rotary.cos_sin(plan.entry_pos, pooled.dtype)
-            entries.flatten(0, 1).index_copy_(0, plan.entry_dst, apply_rope(pooled, cos, sin).to(entries.dtype))
+            entries.index_copy_(0, plan.entry_dst, apply_rope(pooled, cos, sin).to(entries.dtype))
         plan.ring_write.apply(ring, rows)
 
 
@@ -77,17 +78,17 @@ class Indexer(Compressor):
         self.scorer = IndexerScorer(config.hidden_size, self.heads)
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
-               keys: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+               keys: torch.Tensor | PackedRows, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k complete entries of each token: (entry slot `[T, k]` into `plan.visible_row`,
         valid `[T, k]`). Ties keep the lowest entry index, so selection is deterministic whatever
-        the batch. keys `[P, per_page, ihd]`.
+        the batch. keys: the state's rows `[P · per_page, ihd]`.
         """
         t = x.shape[0]
         q = self.q_b_proj(q_residual).view(t, self.heads, self.dim)
         cos, sin = rotary.cos_sin(positions, q.dtype)
         q = apply_rope(q, cos, sin)
         head_w = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [T, H]
-        return dispatch.indexer_topk(q, keys.flatten(0, 1), plan.visible_row, plan.visible, head_w, self.topk)
+        return dispatch.indexer_topk(q, keys, plan.visible_row, plan.visible, head_w, self.topk)
 
 
 class CSACompressor(Compressor):
@@ -135,14 +136,15 @@ class Attention(nn.Module):
         rows, valid = batch.swa.rows, batch.swa.valid
         if self.compressor is not None:
             plan = batch.plans[self.kind]
-            self.compressor.update(x, plan, state.ring[layer], state.entries[layer], rotary)
+            self.compressor.update(x, plan, state.ring[layer], state.entry_rows(layer), rotary)
             entry_rows, seen = plan.visible_row, plan.visible
             if self.kind == CSA:
                 indexer = self.compressor.indexer
-                indexer.update(x, plan, state.index_ring[layer], state.index_keys[layer], rotary)
-                chosen, seen = indexer.select(x, q_residual, batch.positions, plan, state.index_keys[layer], rotary)
+                keys = state.index_key_rows(layer)
+                indexer.update(x, plan, state.index_ring[layer], keys, rotary)
+                chosen, seen = indexer.select(x, q_residual, batch.positions, plan, keys, rotary)
                 entry_rows = entry_rows.gather(1, chosen)
-            sources.append(state.entries[layer].flatten(0, 1))
+            sources.append(state.entry_rows(layer))
             rows = torch.cat([rows, entry_rows + ring.shape[0] * ring.shape[1] + t], dim=1)
             valid = torch.cat([valid, seen], dim=1)
         out = dispatch.sink_attention(q, sources, rows, valid, self.sinks, self.head_dim**-0.5)

@@ -1,10 +1,12 @@
-"""Weight bytes of a DeepSeek-V4 model per GPU, in bf16, FP8 and FP8+FP4 as published, on the meta device.
+"""Weight and state bytes of a DeepSeek-V4 model per GPU, on the meta device: weights in bf16, FP8 and
+FP8+FP4 as published; request state for each `EngineConfig.state_dtype`, and the decode batch that fits.
 
 Every figure comes from the model's own module tensors (built on the meta device: nothing is allocated),
 quantized by the same function that writes published checkpoints (`model.published.quantized_as`,
 `kernels.block_scaled.quantize`), so it is what `load_model` would hold. A rank of a DEP instance holds
 the dense part (attention, routers, shared experts, embedding, head, MTP's dense part) and its routed
 expert slots: (experts + redundant slots) / ranks of each MoE layer, MTP layers included.
+State figures are the runtime's own `ModelState` on the meta device (bf16 activations).
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from rackserve.config import ModelConfig, QuantConfig
+from rackserve.config import STATE_DTYPES, EngineConfig, ModelConfig, QuantConfig
 from rackserve.kernels.block_scaled import quantize
 from rackserve.model.loader import build_model
 from rackserve.model.published import PUBLISHED_EXPERTS, quantized_as
+from rackserve.model.state import ModelState
 
 GIB = 1 << 30
+WORKSPACE_BYTES = 16e9  # assumed: activations, communication buffers, CUDA graphs per GPU
+LONG_CONTEXT = 131072  # tokens of the long-context figure (V4-Flash serves up to 1M)
+PUBLISHED_STATE_BYTES_PER_TOKEN = 890  # DeepSeek's V4.1-Flash figure (cross-layer KV sharing plus FP4)
 # what a user picks between: the checkpoint dequantized, FP8 throughout, and DeepSeek's release
 PRECISIONS = {
     "bf16": None,
@@ -78,6 +84,58 @@ def serving_report(model: ModelConfig, ranks: dict[str, int]) -> dict[str, dict[
     rows["one routed-expert slot"] = {p: w.expert_slot / GIB for p, w in per.items()}
     rows["one full copy (all experts once)"] = {p: w.full_copy / GIB for p, w in per.items()}
     return rows
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """slot: a request's fixed state (windows, carries); page: the state of `block_size` tokens
+    (compressed entries and indexer keys)."""
+
+    slot: int
+    page: int
+    block_size: int
+
+    @property
+    def per_token(self) -> float:
+        return self.page / self.block_size
+
+    def request(self, tokens: int) -> int:
+        """Bytes of a request holding `tokens` tokens (whole pages)."""
+        return self.slot + -(-tokens // self.block_size) * self.page
+
+
+def state_bytes(config: ModelConfig, state_dtype: str, dtype: torch.dtype = torch.bfloat16) -> StateBytes:
+    """What the runtime's state takes per request for `config` held as `state_dtype`, in pages of the
+    engine's default block size."""
+    block = EngineConfig().resolve(config).block_size
+    probe = ModelState(config, 1, 1, block, dtype, device="meta", state_dtype=state_dtype)
+    return StateBytes(probe.slot_bytes, probe.page_bytes, block)
+
+
+def state_report(model: ModelConfig, rank_weights: int, hbm: dict[str, float],
+                 context: int = LONG_CONTEXT) -> dict[str, dict[str, float]]:
+    """{state_dtype: figures}: bytes per token, fixed MiB per request, GiB of a `context`-token request,
+    and for each GPU of `hbm` (name: bytes) the most such requests a rank fits beside `rank_weights`
+    bytes of weights and the workspace."""
+    rows = {}
+    for state_dtype in STATE_DTYPES:
+        s = state_bytes(model, state_dtype)
+        row = {"bytes/token": s.per_token, "fixed MiB/request": s.slot / 2**20,
+               f"GiB/request at {context // 1024}K": s.request(context) / GIB}
+        for gpu, nbytes in hbm.items():
+            row[f"batch on {gpu}"] = max(0, int((nbytes - rank_weights - WORKSPACE_BYTES) // s.request(context)))
+        rows[state_dtype] = row
+    return rows
+
+
+def format_state_report(rows: dict[str, dict[str, float]]) -> str:
+    columns = list(next(iter(rows.values())))
+    widths = [max(len(c), 10) + 2 for c in columns]
+    lines = ["state_dtype" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths))]
+    for name, row in rows.items():
+        cells = [f"{v:>{w}.0f}" if k.startswith("batch") else f"{v:>{w}.2f}" for (k, v), w in zip(row.items(), widths)]
+        lines.append(f"{name:<11}" + "".join(cells))
+    return "\n".join(lines)
 
 
 def format_report(rows: dict[str, dict[str, float]]) -> str:

@@ -22,9 +22,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from rackserve.bench.sim.hardware import HOST, Efficiency, Hardware, Host
 from rackserve.config import CSA, HCA, ModelConfig
+from rackserve.model.state import ModelState
 
 # Bytes per stored weight element, block scales included (MXFP4: one byte per 32 elements;
 # FP8: one fp32 scale per 128x128 block).
@@ -37,7 +39,8 @@ class Precision:
 
     dense: attention projections, compressors, shared expert, router, lm_head (weights and math);
     experts: routed experts; attention: attention cores; indexer: lightning-indexer scores;
-    state_bytes: bytes per stored state element (windows, entries, indexer keys);
+    state_dtype: how the runtime holds compressed entries and indexer keys (`EngineConfig.state_dtype`;
+    windows and carries in bf16, as it holds them); every state byte count is `ModelState`'s;
     act_bytes: activations between kernels; dispatch_bytes / combine_bytes: per hidden element sent
     to / back from the expert ranks.
     """
@@ -46,17 +49,18 @@ class Precision:
     experts: str = "fp4"
     attention: str = "bf16"
     indexer: str = "fp8"
-    state_bytes: float = 1.0
+    state_dtype: str = "fp8-fp4"
     act_bytes: float = 2.0
     dispatch_bytes: float = 1.0 + 4 / 128
     combine_bytes: float = 2.0
 
 
 PRECISIONS = {
-    # The public V4-Flash checkpoint: FP4 routed experts, FP8 elsewhere; FP8 state and FP8 dispatch.
+    # The public V4-Flash checkpoint: FP4 routed experts, FP8 elsewhere; FP8 entries, FP4 indexer keys
+    # and FP8 dispatch.
     "fp4-fp8": Precision(),
-    # What rackserve runs today: bf16 weights, state and exchanges.
-    "bf16": Precision("bf16", "bf16", "bf16", "bf16", 2.0, 2.0, 2.0, 2.0),
+    # Everything in bf16: weights, state and exchanges.
+    "bf16": Precision("bf16", "bf16", "bf16", "bf16", "auto", 2.0, 2.0, 2.0),
 }
 
 
@@ -225,6 +229,9 @@ class CostModel:
         self.eff, self.host, self.host_path = eff, host, host_path
         self.overlap_moe, self.overlap_fetch = overlap_moe, overlap_fetch
         self._bw = eff.hbm * hw.hbm_bytes_per_s
+        state = ModelState(shape.config, 0, 0, shape.config.min_block_size, torch.bfloat16, "meta",
+                           state_dtype=precision.state_dtype)
+        self._window_row, self._entry_row, self._key_row = state.row_bytes
 
     # ---- pieces (one rank, one forward pass) -------------------------------------------------------
     def gemm_s(self, gemm: Gemm, tokens: float, dtype: str) -> float:
@@ -255,20 +262,20 @@ class CostModel:
         lo = np.array([ch.start for ch in chunks])
         hi = lo + np.array([ch.num_tokens for ch in chunks])
         keys = sum_min(lo, hi, c.sliding_window)
-        key_rows = np.minimum(hi, c.sliding_window)  # state rows read per request
+        # state rows read per request, each in the bytes the runtime stores it in
+        nbytes = np.minimum(hi, c.sliding_window).sum() * self._window_row
         index_flops = 0.0
         if kind == HCA:
             keys = keys + sum_min(lo, hi, math.inf) / c.hca_compress_rate
-            key_rows = key_rows + hi // c.hca_compress_rate
+            nbytes += (hi // c.hca_compress_rate).sum() * self._entry_row
         elif kind == CSA:
             rate = c.csa_compress_rate
             keys = keys + sum_min(lo, hi, rate * c.index_topk) / rate
-            key_rows = key_rows + np.minimum(hi // rate, c.index_topk)
+            nbytes += np.minimum(hi // rate, c.index_topk).sum() * self._entry_row
             scanned = sum_min(lo, hi, math.inf) / rate
             index_flops = 2.0 * c.index_n_heads * c.index_head_dim * scanned.sum()
-            key_rows = key_rows + (hi // rate) * c.index_head_dim / c.head_dim  # indexer keys, in head_dim rows
+            nbytes += (hi // rate).sum() * self._key_row  # the indexer reads every key
         flops = 4.0 * c.num_attention_heads * c.head_dim * keys.sum()  # q.k and p.v
-        nbytes = key_rows.sum() * c.head_dim * self.p.state_bytes
         rate = self.eff.attention
         compute = flops / (rate * self.hw.flop_rate(self.p.attention))
         compute += index_flops / (rate * self.hw.flop_rate(self.p.indexer))

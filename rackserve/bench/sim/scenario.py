@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 
 from rackserve.bench.sim.cost import (
     PRECISIONS,
@@ -24,12 +25,12 @@ from rackserve.bench.sim.cost import (
 )
 from rackserve.bench.sim.experts import ExpertLoad, ExpertPlacement
 from rackserve.bench.sim.hardware import Efficiency, Hardware, preset
-from rackserve.bench.sim.simulator import STATE_DTYPES, SimResult, Simulator, Workload
+from rackserve.bench.sim.simulator import SimResult, Simulator, Workload
 from rackserve.config import EngineConfig, ModelConfig
+from rackserve.model.memory import WORKSPACE_BYTES
 from rackserve.model.state import ModelState
 
 HOST_PATHS = {"rackserve": RACKSERVE, "unoptimised": UNOPTIMISED}
-WORKSPACE_BYTES = 16e9  # assumed: activations, communication buffers, CUDA graphs per GPU
 ZIPF = 1.0  # assumed expert-popularity skew (the EPLB benchmark's default)
 
 
@@ -109,7 +110,7 @@ def state_budget(shape: ModelShape, hw: Hardware, dep: int, precision: Precision
     routed = c.num_hidden_layers * c.n_routed_experts * shape.expert.params / dep
     free = (hw.hbm_bytes - shape.dense_params * WEIGHT_BYTES[precision.dense] - routed * WEIGHT_BYTES[precision.experts]
             - WORKSPACE_BYTES)
-    probe = ModelState(c, 1, 1, e.block_size, STATE_DTYPES[precision.state_bytes], device="meta")
+    probe = ModelState(c, 1, 1, e.block_size, torch.bfloat16, device="meta", state_dtype=precision.state_dtype)
     need = e.max_num_seqs * (2 * probe.slot_bytes + probe.pages_for(e.max_model_len) * probe.page_bytes)
     return int(max(0.0, min(free, need)))
 

@@ -37,7 +37,6 @@ from rackserve.engine.scheduler import RunnerOutput, Scheduler
 from rackserve.engine.state_cache import StateCache
 
 SAMPLED = 2  # the token every simulated sample returns (not an EOS of the default config)
-STATE_DTYPES = {1.0: torch.float8_e4m3fn, 2.0: torch.bfloat16}  # Precision.state_bytes -> dtype
 
 
 class SyntheticTokens:
@@ -180,11 +179,11 @@ class Simulator:
         self.cost, self.load, self.eplb = cost, load, eplb
         model = cost.shape.config
         self.engine = engine.resolve(model)
-        dtype = STATE_DTYPES[cost.p.state_bytes]
         self.ranks = []
         for _ in range(cost.world):
             cache = StateCache(model, self.engine.block_size, self.engine.max_num_seqs, state_bytes,
-                               self.engine.prefix_caching, self.engine.prefix_snapshots, dtype, device="meta")
+                               self.engine.prefix_caching, self.engine.prefix_snapshots, torch.bfloat16, device="meta",
+                               state_dtype=cost.p.state_dtype)
             self.ranks.append(_Rank(Scheduler(self.engine, cache), Runner(_Planner(), cache)))
         self._slot_bytes, self._page_bytes = cache.state.slot_bytes, cache.state.page_bytes
         self._ids = itertools.count()

@@ -1,0 +1,128 @@
+"""Quantised request state (`EngineConfig.state_dtype`): bytes, decode step time, and push time.
+
+    python -m rackserve.bench.state [--context 1024] [--batch 8] [--iters 5] [--push-tokens 32768]
+
+1. Bytes per token (compressed entries and indexer keys: they grow with the context) and per request
+   (windows and compressor carries: fixed), by `state_dtype`, at the tiny model's shape (fp32) and
+   V4-Flash's (bf16), from the runtime's own `ModelState` on the meta device; V4-Flash against the
+   published V4.1-Flash figure of 890 bytes/token (which also shares KV across layers, see
+   `rackserve.model.state`).
+2. One decode step of `--batch` requests holding `--context` tokens each, on the tiny model on this
+   CPU (torch kernels), for each `state_dtype`: medians of `--iters` steps, as a ratio to "auto".
+   On CPU the packed pages are decoded by torch in the references; the GPU kernels decode in registers.
+3. One `--push-tokens` request's state at V4-Flash's shape pushed between two NIXL agents (UCX, host
+   memory, one process), for each `state_dtype`, against a memcpy of the same bytes (the ceiling on one
+   host): medians of `--repeats` pushes.
+
+The machine is shared and noisy: read ratios and medians. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from rackserve.bench.model import median_ms, model_steps, request_ids
+from rackserve.config import STATE_DTYPES, ModelConfig
+from rackserve.model import load_model
+from rackserve.model.memory import PUBLISHED_STATE_BYTES_PER_TOKEN, state_bytes
+from rackserve.model.tiny import ensure_tiny
+from rackserve.transfer.kv import ALIGN, KVAgent
+
+
+def byte_table(summary: dict) -> None:
+    shapes = {"tiny": (ModelConfig.from_pretrained(ensure_tiny()), torch.float32),
+              "V4-Flash": (ModelConfig.from_dict({}), torch.bfloat16)}
+    header = (f"{'shape':<9} {'state_dtype':<11} {'bytes/token':>11} {'vs auto':>8} {'vs 890':>7} "
+              f"{'fixed MB/request':>16} {'32K request MB':>14}")
+    print(f"state bytes (per token: entries and indexer keys; fixed: windows and carries)\n{header}\n"
+          f"{'-' * len(header)}")
+    for name, (config, dtype) in shapes.items():
+        auto = state_bytes(config, "auto", dtype).per_token
+        for state_dtype in STATE_DTYPES:
+            s = state_bytes(config, state_dtype, dtype)
+            published = f"{s.per_token / PUBLISHED_STATE_BYTES_PER_TOKEN:>6.2f}x" if name == "V4-Flash" else f"{'-':>7}"
+            print(f"{name:<9} {state_dtype:<11} {s.per_token:>11.1f} {s.per_token / auto:>7.3f}x {published} "
+                  f"{s.slot / 1e6:>16.2f} {s.request(32768) / 1e6:>14.1f}")
+            key = f"{'tiny' if name == 'tiny' else 'v4flash'}_{state_dtype.replace('-', '_')}"
+            summary[f"{key}_bytes_per_token"] = round(s.per_token, 2)
+            summary[f"{key}_fixed_bytes"] = s.slot
+
+
+def decode_table(summary: dict, context: int, batch: int, iters: int) -> None:
+    model = load_model(ensure_tiny())
+    ids, next_ids = request_ids(model.config.vocab_size, batch, context)
+    times = {}
+    with torch.no_grad():
+        for state_dtype in STATE_DTYPES:
+            _, decode = model_steps(model, ids, next_ids, state_dtype=state_dtype)
+            times[state_dtype] = median_ms(decode, iters)
+    print(f"\ndecode step, tiny model on CPU: {batch} requests × {context} tokens, median of {iters}")
+    for state_dtype, ms in times.items():
+        print(f"  {state_dtype:<8} {ms:8.2f} ms  {ms / times['auto']:6.3f}x auto")
+        summary[f"decode_ms_{state_dtype.replace('-', '_')}"] = round(ms, 3)
+        summary[f"decode_vs_auto_{state_dtype.replace('-', '_')}"] = round(ms / times["auto"], 3)
+
+
+def push_table(summary: dict, tokens: int, repeats: int) -> None:
+    config = ModelConfig.from_dict({})
+    sizes = {sd: state_bytes(config, sd).request(tokens) for sd in STATE_DTYPES}
+    pool = max(sizes.values()) + ALIGN
+    sender, receiver = KVAgent("bench-state-send", pool), KVAgent("bench-state-recv", pool)
+    sender.add_peer(receiver.metadata())
+    sender.view(0, pool - ALIGN).copy_(torch.randint(0, 256, (pool - ALIGN,), dtype=torch.uint8,
+                                                     generator=torch.Generator().manual_seed(0)))
+    dst = torch.empty(pool, dtype=torch.uint8)
+    print(f"\none {tokens}-token request's state at V4-Flash's shape, pushed over NIXL (UCX, host memory), "
+          f"median of {repeats}")
+    try:
+        for state_dtype, nbytes in sizes.items():
+            offset = receiver.alloc(nbytes)
+            region = receiver.region(offset, nbytes)
+            pushes, copies = [], []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                t0 = time.perf_counter()
+                transfer = sender.write(0, region)
+                while not sender.poll(transfer):
+                    receiver.notifications()  # the receiving side progresses, as a stepping engine's does
+                pushes.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                dst[:nbytes].copy_(sender.view(0, nbytes))
+                copies.append(time.perf_counter() - t0)
+            assert torch.equal(receiver.view(offset, nbytes), sender.view(0, nbytes))
+            receiver.free(offset)
+            push, copy = statistics.median(pushes[1:]), statistics.median(copies[1:])
+            print(f"  {state_dtype:<8} {nbytes / 1e6:8.1f} MB  push {push * 1e3:8.2f} ms "
+                  f"({nbytes / push / 1e9:5.2f} GB/s)"
+                  f"  memcpy {copy * 1e3:7.2f} ms  push/memcpy {push / copy:5.2f}x")
+            key = state_dtype.replace("-", "_")
+            summary[f"push_{tokens // 1024}k_ms_{key}"] = round(push * 1e3, 2)
+            summary[f"push_{tokens // 1024}k_mb_{key}"] = round(nbytes / 1e6, 2)
+            summary[f"push_over_memcpy_{key}"] = round(push / copy, 3)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=1024, help="tokens each decoding request holds")
+    parser.add_argument("--batch", type=int, default=8, help="requests in the decode step")
+    parser.add_argument("--iters", type=int, default=5, help="timed decode steps; medians reported")
+    parser.add_argument("--push-tokens", type=int, default=32768, help="tokens of the pushed request")
+    parser.add_argument("--repeats", type=int, default=5, help="timed pushes; medians reported")
+    args = parser.parse_args(argv)
+    summary: dict = {"bench": "state", "published_bytes_per_token": PUBLISHED_STATE_BYTES_PER_TOKEN}
+    byte_table(summary)
+    decode_table(summary, args.context, args.batch, args.iters)
+    push_table(summary, args.push_tokens, args.repeats)
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
