@@ -223,7 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from rackserve.actors.cluster import WORKER_ENV
     from rackserve.serve import ingress
-    from rackserve.serve.app import build
+    from rackserve.serve.app import build, delete
     from rackserve.serve.config import ServeConfig
 
     config = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
@@ -235,7 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.address is None:  # the cluster ray.init starts below inherits these
         os.environ.update(WORKER_ENV)
         if config.ingress == "direct":
-            os.environ.update(ingress.direct_ingress_env(config.port, load_balanced=False))
+            os.environ.update(ingress.direct_ingress_env(config.port, config.num_ingress_replicas, load_balanced=False))
     ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
     url = ingress.start(config)
     print(f"starting the {config.prefill} prefill + {config.decode} decode deployment of {config.model_name!r} ...",
@@ -251,6 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        delete("rackserve")
         serve.shutdown()
     return 0
 

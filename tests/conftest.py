@@ -180,10 +180,12 @@ def ray_cluster():
     node = {"num_cpus": 1, "num_gpus": GPUS_PER_TRAY, "object_store_memory": 80 << 20}
     labels = [{"rackserve.io/rack": f"rack{r}", "rackserve.io/tray": f"tray{t}"}
               for r in range(RACKS) for t in range(TRAYS)]
-    direct_port, saved = free_ports(3), dict(os.environ)  # apps=2: ports port … port + 2
+    direct_port, saved = free_ports(5), dict(os.environ)  # apps=4: ports port … port + 4
     # the nodes' processes inherit these, this one need not: workers at normal priority (a loaded
-    # machine starves Ray's default nice 15), direct ingress for two apps (test_serve runs a second)
-    os.environ.update({**WORKER_ENV, **direct_ingress_env(direct_port, apps=2, load_balanced=False)})
+    # machine starves Ray's default nice 15), direct ingress for up to four replicas at once (test_serve
+    # runs two apps, test_serve_scale_out two replicas and their replacements; a port whose server side
+    # closed connections stays unusable to Serve for a minute)
+    os.environ.update({**WORKER_ENV, **direct_ingress_env(direct_port, apps=4, load_balanced=False)})
     try:
         cluster = Cluster(initialize_head=True, head_node_args={**node, "labels": labels[0]})
         for lab in labels[1:]:

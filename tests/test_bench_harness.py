@@ -175,7 +175,7 @@ def server(ray_cluster, tiny_checkpoint):
     from conftest import free_port
     from ray import serve
 
-    from rackserve.serve.app import build
+    from rackserve.serve.app import build, delete
 
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
@@ -183,7 +183,7 @@ def server(ray_cluster, tiny_checkpoint):
                 "kv_stores": 1, "store_memory_mb": 16, "engine": json.loads(ENGINE)}
     serve.run(build(settings), name="bench-harness-test", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
-    serve.delete("bench-harness-test")
+    delete("bench-harness-test")
     serve.shutdown()
 
 

@@ -1,6 +1,7 @@
-"""`ray job submit --working-dir . -- python deploy/job.py --config deploy/tiny-cpu.yaml` against a
-local Ray head of its own (started for direct ingress) starts the endpoint, which then serves
-completions from the replica's own HTTP server."""
+"""The README's sequence for `deploy/job.py` with direct ingress (`export RAY_AUTH_MODE=token`, `ray
+get-auth-token --generate`, `ray start --head` for direct ingress, then `ray job submit --working-dir .
+-- python deploy/job.py --config deploy/tiny-cpu.yaml --ingress direct`) against a local Ray head of
+its own starts the endpoint, which then serves completions from the replica's own HTTP server."""
 
 from __future__ import annotations
 
@@ -16,37 +17,53 @@ import pytest
 from conftest import free_port
 
 from rackserve.actors.cluster import WORKER_ENV
+from rackserve.model.tiny import default_cache_dir
 from rackserve.serve.ingress import direct_ingress_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def ray_head():
+def ray_head(tmp_path):
     """A head node in its own process group (so stopping it leaves the session's cluster alone),
-    every port its own, this interpreter's tools first on PATH (the job runs `python`), started for
-    direct ingress on a port of its own, as an operator would start one."""
+    every port its own, this interpreter's tools first on PATH (the job runs `python`), started as
+    the README says: token authentication on, for direct ingress on a port of its own.
+
+    Ray keeps the token in ~/.ray/auth_token (`ray get-auth-token --generate` writes it, `ray start`
+    and `ray job submit` read it), so HOME is a directory of this test's own: the test starts, as a
+    new user does, with no token, and it neither reads the user's token nor leaves one behind. A
+    token given by RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH would come before the file: those go. The
+    tiny model stays in the cache it would have used (RACKSERVE_CACHE, else ~/.cache/rackserve)."""
     ports = {name: free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
                                             "dashboard-agent-grpc-port", "metrics-export-port",
                                             "runtime-env-agent-port", "node-manager-port", "object-manager-port",
                                             "ray-client-server-port")}
     serve_port = free_port()
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "", **WORKER_ENV,
-           **direct_ingress_env(serve_port, load_balanced=False)}
-    args = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--num-cpus", "4",
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "HOME": str(home),
+           "RACKSERVE_CACHE": str(default_cache_dir().parent), "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""}
+    ray = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray, "get-auth-token", "--generate"], env=env, cwd=ROOT, capture_output=True, timeout=120,
+                   check=True)
+    assert (home / ".ray" / "auth_token").is_file()
+    env_head = {**env, **WORKER_ENV, **direct_ingress_env(serve_port)}
+    args = [ray, "start", "--head", "--block", "--num-cpus", "4",
             "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats",
             "--temp-dir", f"/tmp/rackserve-job-{os.getpid()}", *[f"--{k}={v}" for k, v in ports.items()]]
-    head = subprocess.Popen(args, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+    head = subprocess.Popen(args, env=env_head, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     dashboard = f"http://127.0.0.1:{ports['dashboard-port']}"
+    auth = {"Authorization": f"Bearer {(home / '.ray' / 'auth_token').read_text().strip()}"}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # the job agent registers a little after the dashboard answers
         try:
-            if httpx.get(f"{dashboard}/api/version", timeout=2).status_code == 200:
+            if httpx.get(f"{dashboard}/api/version", headers=auth, timeout=2).status_code == 200:
                 break
         except httpx.HTTPError:
-            time.sleep(1)
+            pass
+        time.sleep(1)
     yield dashboard, env, serve_port
     # the head is this test's alone: the whole group at once, no graceful stop to wait for
     os.killpg(head.pid, signal.SIGKILL)
@@ -56,6 +73,7 @@ def ray_head():
 @pytest.mark.slow
 def test_ray_job_submit_starts_the_endpoint(ray_head):
     dashboard, env, port = ray_head
+    assert httpx.get(f"{dashboard}/api/version", timeout=10).status_code == 401  # the head wants the token
     submit = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", dashboard, "--working-dir", ".",
               "--", "python", "deploy/job.py", "--config", "deploy/tiny-cpu.yaml", "--port", str(port),
               "--ingress", "direct"]

@@ -20,7 +20,7 @@ from ray import serve
 from rackserve.engine import LLM, SamplingParams
 from rackserve.model.tokenizer import Tokenizer
 from rackserve.serve import ingress
-from rackserve.serve.app import build
+from rackserve.serve.app import build, delete
 
 KEY = "test-key"
 PROMPT = "The rack hums"
@@ -36,7 +36,7 @@ def server(ray_cluster, tiny_checkpoint):
     serve.run(build(settings), name="rackserve-test", route_prefix="/")
     ingress.wait_until_serving(f"http://127.0.0.1:{port}")
     yield f"http://127.0.0.1:{port}"
-    serve.delete("rackserve-test")
+    delete("rackserve-test")
     serve.shutdown()
 
 
@@ -205,4 +205,4 @@ def test_backpressure_answers_429_instead_of_queueing(server, tiny_checkpoint):
                 time.sleep(0.2)
             assert r.status_code == 200
     finally:
-        serve.delete("rackserve-busy")
+        delete("rackserve-busy")

@@ -5,32 +5,31 @@
     for out in dep.stream(dep.submit("…", params, session="chat-7")): ...
     dep.shutdown()
 
-A request's path (DESIGN.md, P/D): the decode rank with the least state load (or the session's)
-reserves room for its state; the session's KV store is asked for the longest cached prefix; the
-prefill instance with the fewest queued tokens (or the session's) reads that prefix, prefills the
-rest, samples the first token and pushes the state; the decode rank streams every token. Each
-decode rank writes prompt + answer back to its KV store when a request finishes, so the next turn
-of a session prefills only its new text. Anything failing on the way (a transfer, a prefill
-instance, a KV store) costs recomputation on the decode rank, not the request.
+The deployment *owns* the data plane: it creates the instances and KV stores, introduces their NIXL
+agents, restarts a failed gang (once, whoever finds it) and reconnects it, and gathers the ranks'
+load reports every `LOAD_PERIOD_S`. Requests go through a `DeploymentClient` (routing, the P/D path,
+streaming: see `rackserve.actors.deployment_client`): the deployment keeps one for its own Python API,
+and any other process (an ingress replica) can make its own from `view()`, `members_of`,
+`gang_failed` and `loads`, which is what the serving data plane exposes (`rackserve.serve.controller`).
+Each decode rank writes prompt + answer back to its KV store when a request finishes, so the next
+turn of a session prefills only its new text.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import itertools
-import random
 import secrets
 import threading
-from collections import Counter
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
 
-from rackserve.actors.instance import Instance, InstanceError
+from rackserve.actors.deployment_client import DeploymentClient
+from rackserve.actors.instance import Instance
 from rackserve.actors.kv_store import KVStore
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import SamplingParams
@@ -39,14 +38,9 @@ from rackserve.model.tokenizer import Tokenizer
 from rackserve.placement import InstanceGroup
 from rackserve.placement.planner import Plan
 from rackserve.placement.ray_groups import kv_store_options
+from rackserve.serve.router import RankKey
 
-
-@dataclass
-class _Route:
-    decode: tuple[int, int]  # (decode instance, DP rank)
-    prefill: tuple[int, int] | None  # None: the decode rank prefills it
-    prefill_tokens: int  # tokens the prefill rank computes
-    decode_tokens: int  # state the decode rank holds (prompt + max output), for its load
+LOAD_PERIOD_S = 0.2  # how often the owner gathers the ranks' load reports
 
 
 # EngineConfig fields that fix the layout of the state bytes moved between ranks and stores
@@ -153,16 +147,14 @@ class Deployment:
         self.decode, self.prefill = ([inst for (r, _), inst in zip(makers, started, strict=True) if r == role]
                                      for role in ("decode", "prefill"))
         self.dead_stores: set[int] = set()
-        self._routes: dict[str, _Route] = {}
-        self._decode_load: Counter = Counter()  # (instance, rank) -> state tokens held
-        self._prefill_load: Counter = Counter()  # (instance, rank) -> tokens queued for prefill
-        self._sessions: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}  # -> (decode, prefill) ranks
-        self._ids = itertools.count()
-        self._seeds = random.Random()
-        self._lock = threading.Lock()
+        self._rank_store: dict[RankKey, int | None] = {}
+        self._loads: dict[RankKey, dict] = {}
+        self._closed = False
         self._connect()
         for inst in self.prefill + self.decode:
             inst.on_restart = lambda _: self._connect()
+        threading.Thread(target=self._gather_loads, daemon=True, name=f"loads-{tag}").start()
+        self.client = DeploymentClient(self, self.tokenizer, name=f"dep-{tag}")
 
     # ---- wiring --------------------------------------------------------------------------------------
     def _store_of(self, index: int) -> int | None:
@@ -184,10 +176,11 @@ class Deployment:
         for role, insts in (("decode", self.decode), ("prefill", self.prefill)):
             for inst in insts:
                 links = []
-                for meta in inst.kv_metadata():
+                for rank, meta in enumerate(inst.kv_metadata()):
                     k = self._store_of(next(index))
                     inbox = self._call_store(k, "add_writer", meta) if k is not None else None
                     links.append((store_meta[k], inbox) if inbox is not None else None)
+                    self._rank_store[(inst.name, rank)] = k if inbox is not None else None
                 peers = list(store_meta.values()) + (decode_meta if role == "prefill" else [])
                 inst.kv_connect(peers, links)
 
@@ -199,112 +192,62 @@ class Deployment:
             self.dead_stores.add(k)
             return None
 
-    # ---- requests ------------------------------------------------------------------------------------
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, session: str | None = None) -> str:
-        """Route a request (see the module docstring); returns its id. Requests of one `session`
-        go to the same ranks, where their history is cached."""
-        params = params or SamplingParams()
-        if params.seed is None:  # prefill samples the first token, decode the rest: one seed for both
-            params = replace(params, seed=self._seeds.getrandbits(63))
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and self.tokenizer else prompt
-        if isinstance(ids, str):
-            raise ValueError("this model has no tokenizer.json; send token ids instead of text")
-        # routing state is shared with streams ending on other threads: choose and count under the
-        # lock, talk to the actors outside it
-        with self._lock:
-            decode_at, prefill_at = self._sessions.get(session, (None, None))
-            if decode_at is None:
-                decode_at = min(((i, r) for i, inst in enumerate(self.decode) for r in range(inst.dep)),
-                                key=lambda key: self._decode_load[key])
-            route = _Route(decode_at, None, 0, len(ids) + params.max_tokens)
-            self._decode_load[decode_at] += route.decode_tokens
-            request_id = f"req-{next(self._ids)}-{secrets.token_hex(3)}"
-            self._routes[request_id] = route
-        try:
-            _, reservation = self.decode[decode_at[0]].reserve(ids, params, request_id, rank=decode_at[1])
-        except BaseException:
-            self._end(request_id, finished=True)
-            raise
-        if reservation is not None:
-            k = self._store_of(self._rank_index(decode_at))
-            hit = self._call_store(k, "lookup", ids) if k is not None else None
-            with self._lock:
-                if prefill_at is None:
-                    prefill_at = min(((i, r) for i, inst in enumerate(self.prefill) for r in range(inst.dep)),
-                                     key=lambda key: self._prefill_load[key])
-                route.prefill, route.prefill_tokens = prefill_at, len(ids) - (hit[0] if hit else 0)
-                self._prefill_load[prefill_at] += route.prefill_tokens
-            # a prefill instance found dead here restarts and takes it; if it cannot, the decode
-            # rank's reservation expires and it prefills the request itself
-            try:
-                self.prefill[prefill_at[0]].submit(ids, params, request_id, rank=prefill_at[1], push_to=reservation,
-                                                   cached=hit)
-            except InstanceError:
-                pass
-        if session is not None:
-            with self._lock:
-                self._sessions[session] = (decode_at, prefill_at)
-        return request_id
+    # ---- what clients need (`DeploymentOwner`) --------------------------------------------------------
+    def view(self) -> dict:
+        """The instances (name, DP ranks, shape) by role, the KV stores, which store each DP rank writes
+        to, and the checkpoint directory: what a `DeploymentClient` is built from."""
+        return {"decode": [(i.name, i.dep, f"{i.shape} instance {i.name!r}") for i in self.decode],
+                "prefill": [(i.name, i.dep, f"{i.shape} instance {i.name!r}") for i in self.prefill],
+                "stores": list(self.stores), "rank_store": dict(self._rank_store), "path": self.path}
 
-    def _rank_index(self, at: tuple[int, int]) -> int:
-        return sum(inst.dep for inst in self.decode[:at[0]]) + at[1]
+    def _instance(self, name: str) -> Instance:
+        return next(i for i in self.prefill + self.decode if i.name == name)
+
+    def members_of(self, name: str) -> tuple[int, list]:
+        """Instance `name`'s current gang: (generation, member handles)."""
+        return self._instance(name).members_of()
+
+    def gang_failed(self, name: str, generation: int, why: str) -> str:
+        """A client found gang `generation` of instance `name` failed: restart it unless done; why it failed."""
+        return self._instance(name).gang_failed(name, generation, why)
+
+    def loads(self) -> dict[RankKey, dict]:
+        """The DP ranks' latest load reports, gathered every `LOAD_PERIOD_S`."""
+        return self._loads
+
+    def _gather_loads(self) -> None:
+        while not self._closed:
+            members = [(inst.name, rank, m) for inst in self.prefill + self.decode
+                       for rank, m in enumerate(inst.members_of()[1][:inst.dep])]
+            refs = [m.load.remote() for *_, m in members]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+            loads = dict(self._loads)
+            for (name, rank, _), ref in zip(members, refs, strict=True):
+                if ref in ready:
+                    try:
+                        loads[(name, rank)] = ray.get(ref)
+                    except ray.exceptions.RayError:  # a failed gang: its clients restart it
+                        loads.pop((name, rank), None)
+            self._loads = loads
+            time.sleep(LOAD_PERIOD_S)
+
+    # ---- requests (through the deployment's own client) -----------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, session: str | None = None) -> str:
+        """See `DeploymentClient.submit`."""
+        return self.client.submit(prompt, params, session)
 
     def stream(self, request_id: str) -> Iterator[dict]:
-        """The request's outputs from its decode rank (see `Instance.stream`); closing the stream
-        early aborts the request and frees its state."""
-        route, finished = self._routes[request_id], False
-        try:
-            for out in self.decode[route.decode[0]].stream(request_id):
-                self._prefilled(route)
-                finished = out["finished"]
-                yield out
-        finally:
-            self._end(request_id, finished)
+        """See `DeploymentClient.stream`."""
+        return self.client.stream(request_id)
 
-    async def astream(self, request_id: str) -> AsyncIterator[dict]:
-        """`stream` for asyncio callers (the HTTP server)."""
-        route, finished = self._routes[request_id], False
-        try:
-            async for out in self.decode[route.decode[0]].astream(request_id):
-                self._prefilled(route)
-                finished = out["finished"]
-                yield out
-        finally:  # not awaited: under a cancelled task (a client gone) an await here would not run
-            asyncio.get_running_loop().run_in_executor(None, self._end, request_id, finished)
-
-    def _prefilled(self, route: _Route) -> None:
-        """The first output is out: the request no longer counts in its prefill rank's queue."""
-        if route.prefill is not None and route.prefill_tokens:
-            with self._lock:
-                self._prefill_load[route.prefill] -= route.prefill_tokens
-                route.prefill_tokens = 0
-
-    def _end(self, request_id: str, finished: bool) -> None:
-        self._prefilled(self._routes[request_id])
-        with self._lock:
-            route = self._routes.pop(request_id)
-            self._decode_load[route.decode] -= route.decode_tokens
-        if not finished:  # the caller went away: stop it on both sides and free its state
-            self.decode[route.decode[0]].abort(request_id, rank=route.decode[1])
-            if route.prefill is not None:
-                self.prefill[route.prefill[0]].abort(request_id, rank=route.prefill[1])
+    def astream(self, request_id: str) -> AsyncIterator[dict]:
+        """See `DeploymentClient.astream`."""
+        return self.client.astream(request_id)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  sessions: list[str | None] | None = None) -> list[dict]:
-        """Run prompts to completion: per prompt, its token ids, text, finish reason and cached
-        prompt tokens."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.submit(p, sp, s) for p, sp, s in zip(prompts, params_list, sessions or [None] * len(prompts),
-                                                          strict=True)]
-        results = []
-        for request_id in ids:
-            tokens, text, reason, cached = [], "", None, 0
-            for out in self.stream(request_id):
-                tokens += out["new_token_ids"]
-                text += out["new_text"]
-                reason, cached = out.get("error") or out["finish_reason"], out.get("num_cached_tokens", 0)
-            results.append({"token_ids": tokens, "text": text, "finish_reason": reason, "num_cached_tokens": cached})
-        return results
+        """See `DeploymentClient.generate`."""
+        return self.client.generate(prompts, params, sessions)
 
     def stats(self) -> dict:
         """Every instance's stats and every live KV store's."""
@@ -313,6 +256,8 @@ class Deployment:
                 "kv_stores": stores}
 
     def shutdown(self) -> None:
+        self._closed = True
+        self.client.close()
         for inst in self.prefill + self.decode:
             inst.shutdown()
         for store in self.stores:

@@ -2,11 +2,16 @@
 
 In DEP mode it also holds its share of the routed experts; in attention–FFN split mode it holds
 none and its MoE layers send every token to the expert ranks. Requests come in through `submit`,
-outputs go out through `poll_all`, which the instance's output pump for this rank long-polls.
+outputs go out through `poll_all`, which each consumer's output pump for this rank long-polls: a
+consumer (an `InstanceClient`: the instance's owner, or one ingress replica) gets the outputs of the
+requests it submitted, and only those. A consumer that stops polling for `CONSUMER_TIMEOUT_S` (its
+process died) has its requests aborted, so their state is freed and nobody's outputs pile up.
+Between steps the rank publishes its `load()` for routers.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
@@ -17,6 +22,9 @@ from rackserve.model.tokenizer import Tokenizer
 from rackserve.transfer.kv import KVAgent, KVReservation, RemoteRegion
 
 
+CONSUMER_TIMEOUT_S = 30.0  # a consumer silent this long is gone: its requests are aborted
+
+
 class DPRank(GangMember):
     role = "DP rank"
 
@@ -24,7 +32,10 @@ class DPRank(GangMember):
         super().__init__(rank, world_size)
         self.engine: Engine | None = None
         self._inbox: list[tuple] = []
-        self._outputs: dict[str, list[dict]] = {}
+        self._outputs: dict[str, list[dict]] = {}  # request id -> outputs not yet polled
+        self._consumer: dict[str, str] = {}  # request id -> the consumer that polls for it
+        self._polled: dict[str, float] = {}  # consumer -> when it last polled (time.monotonic())
+        self._load = {"requests": 0, "tokens": 0, "prefill_tokens": 0}
 
     def setup(self, spec: GangSpec) -> None:
         """Join the gang, load the model with this rank's expert slots, start the step loop."""
@@ -45,10 +56,17 @@ class DPRank(GangMember):
         to write prefixes to: (its metadata, this rank's inbox there as a wire region)."""
         self._call("connect", peers, store)
 
-    def reserve(self, request_id: str, prompt: str | list[int], params: dict) -> list | None:
+    def reserve(self, request_id: str, prompt: str | list[int], params: dict, consumer: str = "") -> list | None:
         """Decode side: a reservation for a request another rank prefills (wire form), or None when
-        the pool is full and this rank prefills it itself."""
-        reservation = self._call("reserve", request_id, prompt, SamplingParams.from_dict(params))
+        the pool is full and this rank prefills it itself. `consumer` polls for its outputs."""
+        with self._lock:
+            self._expect(request_id, consumer)
+        try:
+            reservation = self._call("reserve", request_id, prompt, SamplingParams.from_dict(params))
+        except Exception:  # refused: nothing will be streamed for it
+            with self._lock:
+                self._drop(request_id)
+            raise
         return reservation.to_wire() if reservation is not None else None
 
     def _call(self, *item):
@@ -58,23 +76,26 @@ class DPRank(GangMember):
         future = Future()
         with self._lock:
             self._inbox.append(("call", future, *item))
-            if item[0] == "reserve":
-                self._outputs[item[1]] = []
         self._wake.set()
-        try:
-            return future.result()
-        except Exception:
-            if item[0] == "reserve":  # refused: nothing will be streamed for it
-                with self._lock:
-                    self._outputs.pop(item[1], None)
-            raise
+        return future.result()
+
+    def _expect(self, request_id: str, consumer: str) -> None:
+        """Keep `request_id`'s outputs for `consumer` (call under `_lock`)."""
+        self._outputs[request_id] = []
+        self._consumer[request_id] = consumer
+        self._polled.setdefault(consumer, time.monotonic())
+
+    def _drop(self, request_id: str) -> None:
+        self._outputs.pop(request_id, None)
+        self._consumer.pop(request_id, None)
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: dict, push_to: list | None = None,
-               cached: tuple[int, list] | None = None) -> None:
+               cached: tuple[int, list] | None = None, consumer: str = "") -> None:
         """Queue a request; raises here (not in the loop) for parameters the engine cannot take.
         `push_to`: a decode rank's reservation (wire form): prefill only and push the state there;
-        `cached`: (tokens, wire region) of a prefix of the prompt in a KV store."""
+        `cached`: (tokens, wire region) of a prefix of the prompt in a KV store; `consumer`: who polls
+        for its outputs."""
         sampling = SamplingParams.from_dict(params)
         if self.error:  # the caller learns now, before the request is lost
             raise RuntimeError(self.error)
@@ -83,43 +104,65 @@ class DPRank(GangMember):
         with self._lock:
             self._inbox.append(("add", request_id, prompt, sampling, extra))
             if push_to is None:  # a pushed request's outputs belong to its decode rank
-                self._outputs[request_id] = []
+                self._expect(request_id, consumer)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._inbox.append(("abort", request_id))
-            self._outputs.pop(request_id, None)
+            self._drop(request_id)
         self._wake.set()
 
-    def poll_all(self, timeout: float = 1.0) -> dict[str, list[dict]]:
-        """{request id: its outputs since the last call} for every request with new outputs, in
-        order, a finished request's last (it is then forgotten); waits up to `timeout` s for any.
-        One caller: the instance's output pump, so that a request waiting for its state or its turn
-        holds no actor thread."""
+    def poll_all(self, timeout: float = 1.0, consumer: str = "") -> dict[str, list[dict]]:
+        """{request id: its outputs since the last call} for every request of `consumer` with new
+        outputs, in order, a finished request's last (it is then forgotten); waits up to `timeout` s
+        for any. One caller per consumer: its output pump for this rank, so that a request waiting for
+        its state or its turn holds no actor thread."""
+        def mine() -> dict[str, list[dict]]:
+            return {r: outs for r, outs in self._outputs.items() if outs and self._consumer.get(r) == consumer}
+
         with self._lock:
-            self._lock.wait_for(lambda: self.error or any(self._outputs.values()), timeout)
+            self._polled[consumer] = time.monotonic()
+            self._lock.wait_for(lambda: self.error or mine(), timeout)
+            self._polled[consumer] = time.monotonic()
             if self.error:
                 raise RuntimeError(self.error)
-            ready = {request_id: outs for request_id, outs in self._outputs.items() if outs}
+            ready = mine()
             for request_id, outs in ready.items():
                 if outs[-1]["finished"]:
-                    del self._outputs[request_id]
+                    self._drop(request_id)
                 else:
                     self._outputs[request_id] = []
             return ready
 
+    def load(self) -> dict:
+        """This rank's load as of its last step (`Engine.load`), for routers."""
+        return self._load
+
     def _stats(self) -> dict:
         return self.engine.stats()
+
+    def _abort_orphans(self) -> None:
+        """Abort the requests of consumers that stopped polling (call under `_lock`)."""
+        now = time.monotonic()
+        gone = {c for c, at in self._polled.items() if now - at > CONSUMER_TIMEOUT_S}
+        for request_id in [r for r, c in self._consumer.items() if c in gone]:
+            self._inbox.append(("abort", request_id))
+            self._drop(request_id)
+        for consumer in gone:
+            del self._polled[consumer]
 
     # ---- the step loop ---------------------------------------------------------------------------
     def _step(self) -> bool:
         self._drain_inbox()
         outputs = self.engine.step()
+        load = self.engine.load()
         with self._lock:
             for out in outputs:
                 if out.request_id in self._outputs:
                     self._outputs[out.request_id].append(asdict(out))
+            self._load = load
+            self._abort_orphans()
             self._lock.notify_all()
         return bool(self.engine.gang_tokens.any()) or self.engine.gang_busy
 

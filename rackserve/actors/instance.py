@@ -11,24 +11,21 @@ CUDA context on the GPU, no hop between two processes on it). The routed experts
 `placement.rebalance` (uniform load until load is counted); each request goes to the DP rank with
 the fewest requests outstanding.
 
-Outputs: one pump thread per DP rank long-polls the rank for the outputs of all its requests at
-once and puts each request's into its stream, which `stream` and `astream` read; so a rank answers
-one poll at a time however many requests it runs, and a request waiting for its turn or its state
-holds none of the rank actor's threads.
+Requests and outputs go through an `InstanceClient` (`rackserve.actors.instance_client`): the
+instance keeps one for its own Python API, and hands its gang's handles to other clients (ingress
+replicas) through `members_of`; outputs stream straight from a rank to the client that submitted.
 
 Faults: a member that dies or stops answering fails the gang (survivors notice at their next
 exchange, within `timeout`); every request in flight ends with an `InstanceError` naming the member,
-and the instance restarts its gang, so the next requests are served.
+and the instance restarts its gang (once, whichever client saw the failure first), so the next
+requests are served.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import secrets
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import asdict
 from pathlib import Path
 
 import ray
@@ -39,6 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rackserve.actors.dp_rank import DPRank
 from rackserve.actors.expert_rank import ExpertRank
 from rackserve.actors.gang_member import GangSpec
+from rackserve.actors.instance_client import InstanceClient, InstanceError
 from rackserve.collective import RendezvousServer
 from rackserve.config import ConfigError, EngineConfig, ModelConfig
 from rackserve.engine import SamplingParams
@@ -46,61 +44,6 @@ from rackserve.model.tiny import ensure_tiny
 from rackserve.placement import planner, rebalance
 
 PING_TIMEOUT_S = 5.0  # a member that does not answer a ping this long after a failure counts as stalled
-POLL_TIMEOUT_S = 1.0  # an output pump's long-poll: an idle DP rank answers one poll per second
-
-
-class InstanceError(RuntimeError):
-    """The instance's gang failed under a request; the message names the member and what to do."""
-
-
-class _Stream:
-    """One request's outputs on their way to its reader: the output pump of its DP rank (a thread)
-    puts them, `Instance.stream` takes them blocking, `Instance.astream` awaiting (the pump wakes
-    its event loop). A stream ends with a finished output or an `InstanceError`."""
-
-    def __init__(self, rank: int, generation: int):
-        self.rank, self.generation = rank, generation
-        self._items: list = []  # output dicts, maybe an InstanceError last
-        self._ready = threading.Condition()
-        self._loop: asyncio.AbstractEventLoop | None = None  # an asyncio reader's, from its first take
-        self._event: asyncio.Event | None = None
-
-    def put(self, items: list) -> None:
-        with self._ready:
-            self._items += items
-            self._ready.notify()
-            loop = self._loop
-        if loop is not None:
-            try:
-                loop.call_soon_threadsafe(self._event.set)
-            except RuntimeError:  # the reader's event loop is closed: nobody waits
-                pass
-
-    def take(self) -> list[dict]:
-        """The outputs put since the last take (waits for one); raises the error that ended the stream."""
-        with self._ready:
-            self._ready.wait_for(lambda: self._items)
-            return self._pop()
-
-    async def atake(self) -> list[dict]:
-        """`take` for an asyncio reader: awaits instead of blocking its event loop."""
-        with self._ready:
-            if self._loop is None:
-                self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
-        while True:
-            with self._ready:
-                if self._items:
-                    self._event.clear()  # sets still queued are for the items taken here
-                    return self._pop()
-            await self._event.wait()
-
-    def _pop(self) -> list[dict]:
-        """The outputs before the first error (the error stays, for the next take), or that error."""
-        end = next((i for i, item in enumerate(self._items) if isinstance(item, InstanceError)), len(self._items))
-        if end == 0:
-            raise self._items[0]
-        outs, self._items = self._items[:end], self._items[end:]
-        return outs
 
 
 class Instance:
@@ -143,15 +86,12 @@ class Instance:
                                                  num_slots=holders * self.slots_per_rank,
                                                  num_ranks=holders).phy2log).tolist()
         self._lock = threading.RLock()  # the gang (generation, members); a restart holds it for seconds
-        self._streams: dict[str, _Stream] = {}  # request id -> its outputs' stream (DP rank, gang generation)
-        self._streams_lock = threading.Lock()  # held only to read or change `_streams`, never across a call
-        self._closed = False
         self._failures: dict[int, str] = {}  # gang generation -> why it failed
-        self._ids = itertools.count()
         self.generation = -1
         self.on_restart = None  # called with the instance after its gang restarted (e.g. to reconnect KV peers)
         self._kv = kv
         self._start()
+        self.client = InstanceClient(self.name, dep, self, self.shape + f" instance {self.name!r}")
 
     @classmethod
     def from_plan(cls, planned: planner.Instance, placement_group: PlacementGroup, model: str | Path = "tiny",
@@ -178,9 +118,6 @@ class Instance:
                         f"tcp://{host}:{port}", self._server.address, secret, self.timeout,
                         kv_name=f"{self.name}-{secret[:8]}" if self._kv else None)
         ray.get([m.setup.remote(spec) for m in self.members])
-        for rank in range(self.dep):
-            threading.Thread(target=self._pump, args=(self.generation, rank, self.members[rank]), daemon=True,
-                             name=f"{self.name}-g{self.generation}-pump{rank}").start()
 
     def _actor(self, i: int):
         cls = DPRank if i < self.dep else ExpertRank
@@ -193,16 +130,25 @@ class Instance:
     def _member_name(self, i: int) -> str:
         return f"DP rank {i}" if i < self.dep else f"expert rank {i}"
 
-    def _fail(self, generation: int, cause: BaseException) -> str:
+    def members_of(self, name: str | None = None) -> tuple[int, list]:
+        """The current gang: (generation, member handles) (`GangOwner`)."""
+        with self._lock:
+            return self.generation, list(self.members)
+
+    def gang_failed(self, name: str | None, generation: int, why: str) -> str:
+        """A client found gang `generation` failed (`GangOwner`): see `_fail`."""
+        return self._fail(generation, why)
+
+    def _fail(self, generation: int, cause: BaseException | str) -> str:
         """Record why gang `generation` failed (naming the members at fault) and restart it, once
-        however many threads find it failed; returns the reason."""
+        however many threads or clients find it failed; returns the reason."""
         with self._lock:
             if generation == self.generation:
                 self._failures[generation] = self._diagnose(cause)
                 self._restart()
-            return self._failures[generation]
+            return self._failures.get(generation, f"{self.shape} instance {self.name!r} restarted its gang")
 
-    def _diagnose(self, cause: BaseException) -> str:
+    def _diagnose(self, cause: BaseException | str) -> str:
         refs = [m.ping.remote() for m in self.members]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_TIMEOUT_S)
         culprits, errors = [], []
@@ -217,7 +163,8 @@ class Instance:
                 continue
             if info["error"]:
                 errors.append(info["error"])
-        detail = "; ".join(culprits) if culprits else (errors[0] if errors else f"{type(cause).__name__}: {cause}")
+        detail = "; ".join(culprits) if culprits else (errors[0] if errors else cause if isinstance(cause, str)
+                                                        else f"{type(cause).__name__}: {cause}")
         return f"{self.shape} instance {self.name!r} failed: {detail}"
 
     def _restart(self) -> None:
@@ -231,58 +178,32 @@ class Instance:
             ray.kill(member)
         self._server.close()
 
-    # ---- requests ------------------------------------------------------------------------------------
+    # ---- requests (through the instance's own client) ----------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                rank: int | None = None, push_to: list | None = None, cached: tuple[int, list] | None = None) -> str:
-        """Queue a request on DP rank `rank` (default: the least loaded); returns its id. A gang
-        found dead here is restarted first, so the request is served. `push_to`/`cached`: see
-        `DPRank.submit` (disaggregated prefill)."""
-        request_id = request_id or f"{self.name}-{next(self._ids)}"
-        self._on_rank(rank, request_id, "submit", prompt, asdict(params or SamplingParams()), push_to, cached,
-                      own=push_to is None)  # a pushed request is streamed from its decode instance
-        return request_id
+        """See `InstanceClient.submit`."""
+        return self.client.submit(prompt, params, request_id, rank, push_to, cached)
 
     def reserve(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                 rank: int | None = None) -> tuple[str, list | None]:
-        """Decode side of P/D: (request id, a reservation in wire form for the prefill rank, or None
-        when the rank's pool is full and it prefills the request itself). Stream it as usual."""
-        request_id = request_id or f"{self.name}-{next(self._ids)}"
-        return request_id, self._on_rank(rank, request_id, "reserve", prompt, asdict(params))
+        """See `InstanceClient.reserve`."""
+        return self.client.reserve(prompt, params, request_id, rank)
 
-    def _on_rank(self, rank: int | None, request_id: str, method: str, *args, own: bool = True):
-        """Call `method(request_id, *args)` on DP rank `rank` (default: the least loaded), waking the
-        whole gang; `own`: stream the request from here (it counts in the rank's load). The lock is
-        held only to choose: the call waits for the rank's next step boundary (a reservation), and
-        concurrent submits must reach the rank in the same step, not one per step."""
-        for attempt in (0, 1):
-            with self._lock:
-                generation, members = self.generation, self.members
-                at = self._least_loaded() if rank is None else rank
-                if own:  # counted before the call, so that concurrent submits spread over the ranks
-                    with self._streams_lock:
-                        self._streams[request_id] = _Stream(at, generation)
-            target = members[at]
-            try:  # every member must resume stepping with it
-                result, *_ = ray.get([getattr(target, method).remote(request_id, *args)] +
-                                     [m.wake.remote() for m in members if m is not target])
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                self._forget(request_id)
-                if isinstance(getattr(e, "cause", None), ValueError):
-                    raise e.cause from None  # the rank refused this request (e.g. too long): not the gang's fault
-                reason = self._fail(generation, e)
-                if attempt:
-                    raise InstanceError(f"{reason}; a fresh gang failed too, check the members' logs") from None
-                continue
-            return result
-        raise AssertionError("unreachable")
+    def stream(self, request_id: str) -> Iterator[dict]:
+        """See `InstanceClient.stream`."""
+        return self.client.stream(request_id)
 
-    def _least_loaded(self) -> int:
-        """The DP rank streaming the fewest requests of the current gang (call under `_lock`)."""
-        loads = [0] * self.dep
-        with self._streams_lock:
-            for stream in self._streams.values():
-                loads[stream.rank] += stream.generation == self.generation
-        return loads.index(min(loads))
+    def astream(self, request_id: str) -> AsyncIterator[dict]:
+        """See `InstanceClient.astream`."""
+        return self.client.astream(request_id)
+
+    def abort(self, request_id: str, rank: int | None = None) -> None:
+        """See `InstanceClient.abort`."""
+        self.client.abort(request_id, rank)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[dict]:
+        """See `InstanceClient.generate`."""
+        return self.client.generate(prompts, params)
 
     def kv_metadata(self) -> list[bytes]:
         """The NIXL agent metadata of every DP rank (an instance made with `kv=True`)."""
@@ -292,96 +213,6 @@ class Instance:
         """Every DP rank learns `peers`; DP rank i writes prefixes to `stores[i]` (metadata, inbox)."""
         stores = stores or [None] * self.dep
         ray.get([m.kv_connect.remote(peers, store) for m, store in zip(self.members[:self.dep], stores, strict=True)])
-
-    def stream(self, request_id: str) -> Iterator[dict]:
-        """The request's outputs as they come: dicts with new_text, new_token_ids, finished, …;
-        raises `InstanceError` if the gang fails under it."""
-        outputs = self._stream_of(request_id)
-        try:
-            while True:
-                outs = outputs.take()
-                yield from outs
-                if outs[-1]["finished"]:
-                    return
-        finally:
-            self._forget(request_id)
-
-    async def astream(self, request_id: str) -> AsyncIterator[dict]:
-        """`stream` for asyncio callers (an HTTP server): awaits outputs without blocking the event loop."""
-        outputs = self._stream_of(request_id)
-        try:
-            while True:
-                outs = await outputs.atake()
-                for out in outs:
-                    yield out
-                if outs[-1]["finished"]:
-                    return
-        finally:
-            self._forget(request_id)
-
-    def _stream_of(self, request_id: str) -> _Stream:
-        with self._streams_lock:
-            return self._streams[request_id]
-
-    def _forget(self, request_id: str) -> _Stream | None:
-        with self._streams_lock:
-            return self._streams.pop(request_id, None)
-
-    def _pump(self, generation: int, rank: int, member) -> None:
-        """The output pump of DP rank `rank` of gang `generation`: long-polls the rank and puts each
-        request's outputs into its stream, until the gang fails (it then ends the streams of the
-        rank's requests with the reason, after the restart) or the instance shuts down."""
-        while True:
-            try:
-                ready = ray.get(member.poll_all.remote(POLL_TIMEOUT_S))
-            except ray.exceptions.RayError as e:  # the rank or its gang failed, or the instance was shut down
-                if not self._closed:
-                    why = f"{self.shape} instance {self.name!r} failed and did not restart; check the members' logs"
-                    try:
-                        why = f"{self._fail(generation, e)}. The instance restarted its gang; resubmit the request"
-                    finally:  # whatever the restart did, no reader waits forever
-                        self._end_streams(generation, rank, why)
-                return
-            with self._streams_lock:
-                for request_id, outs in ready.items():
-                    stream = self._streams.get(request_id)
-                    if stream is not None and stream.generation == generation:
-                        stream.put(outs)
-
-    def _end_streams(self, generation: int, rank: int | None, why: str) -> None:
-        """End the streams of gang `generation`'s requests on DP rank `rank` (None: every rank) with
-        an `InstanceError` saying `why`."""
-        with self._streams_lock:
-            for request_id, stream in self._streams.items():
-                if stream.generation == generation and rank in (None, stream.rank):
-                    stream.put([InstanceError(f"request {request_id} was lost: {why}")])
-
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[dict]:
-        """Run prompts to completion across the ranks: per prompt, its token ids, text and finish
-        reason (the error message for input the engine refused)."""
-        ids = [self.submit(p, params) for p in prompts]
-        results = []
-        for request_id in ids:
-            tokens, text, reason = [], "", None
-            for out in self.stream(request_id):
-                tokens += out["new_token_ids"]
-                text += out["new_text"]
-                reason = out.get("error") or out["finish_reason"]
-            results.append({"token_ids": tokens, "text": text, "finish_reason": reason})
-        return results
-
-    def abort(self, request_id: str, rank: int | None = None) -> None:
-        """Stop a request and free its state (a request of a failed gang is already gone). `rank`:
-        where a request not streamed from here runs (a pushed prefill)."""
-        stream = self._forget(request_id)
-        with self._lock:
-            rank, generation = ((stream.rank, stream.generation) if stream is not None
-                                else (rank, self.generation if rank is not None else None))
-            if generation == self.generation:
-                try:
-                    ray.get(self.members[rank].abort.remote(request_id))
-                except ray.exceptions.RayActorError:
-                    pass
 
     def stats(self) -> dict:
         """The instance's shape, gang restarts so far, and every member's counters."""
@@ -406,11 +237,11 @@ class Instance:
         """Stop every member (one that already died is skipped) and release them; a stream still
         open ends with an `InstanceError`."""
         with self._lock:
-            self._closed = True  # first: the output pumps then end with their members, restarting nothing
+            self.client.close()  # first: the output pumps then end with their members, restarting nothing
             for member in self.members:
                 try:
                     ray.get(member.shutdown.remote())
                 except ray.exceptions.RayActorError:
                     pass
             self._kill()
-            self._end_streams(self.generation, None, f"{self.shape} instance {self.name!r} was shut down")
+            self.client.end_streams(self.generation, None, f"{self.shape} instance {self.name!r} was shut down")

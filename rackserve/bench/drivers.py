@@ -76,7 +76,7 @@ class HTTPDriver:
         self.model, self.tokenizer = model, tokenizer
 
     async def send(self, prompt: list[int], max_tokens: int, session: str) -> tuple[Record, list[int]]:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "user": session,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         t_send = time.perf_counter()
         first = last = None

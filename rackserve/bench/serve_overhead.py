@@ -48,7 +48,7 @@ from rackserve.bench.instance import workload
 from rackserve.bench.metrics import percentile
 from rackserve.engine import SamplingParams
 from rackserve.serve import ingress
-from rackserve.serve.app import build
+from rackserve.serve.app import build, delete
 
 SHAPE = {"model": "tiny", "prefill": "1xDEP1", "decode": "1xDEP1", "kv_stores": 1, "store_memory_mb": 16}
 ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "state_memory_mb": 32, "kv_pool_mb": 8}
@@ -104,7 +104,7 @@ def time_paths(prompts: list[list[int]], osl: int, ports: dict[str, int]) -> dic
     """Per path ("python", then each HTTP path: name -> port on 127.0.0.1): TTFT and ITL per request
     (ms), the tokens merged into a later chunk, and (HTTP) GET /v1/models round trips (ms).
 
-    The Python API's `Deployment` and the Serve app's (built in its replica) both exist for the
+    The Python API's `Deployment` and the Serve app's (built in its data plane) both exist for the
     whole run, idle but for the one request in flight. The paths take turns request by request,
     in an order that rotates every round, so a noisy moment costs them alike."""
     dep = Deployment(SHAPE["model"], prefill=SHAPE["prefill"], decode=SHAPE["decode"], kv_stores=SHAPE["kv_stores"],
@@ -135,7 +135,7 @@ def time_paths(prompts: list[list[int]], osl: int, ports: dict[str, int]) -> dic
     finally:
         for http in clients.values():
             http.close()
-        serve.delete(APP)  # the replica owns its deployment's actors: they go with it
+        delete(APP)  # the app and its data plane
         dep.shutdown()
     return results
 

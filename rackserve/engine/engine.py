@@ -218,6 +218,16 @@ class Engine:
         self.scheduler.pushed.clear()
         self.kv.progress()
 
+    def load(self) -> dict:
+        """What a router weighs (`rackserve.serve.router`): requests held (running, waiting, and state on
+        its way in), tokens of state they hold or will (prompt + output so far, and a pushed request's
+        prompt), and prompt tokens still to prefill here."""
+        queued = [*self.scheduler.running, *self.scheduler.waiting]
+        incoming = list(self.kv.incoming.values()) if self.kv is not None else []
+        return {"requests": len(queued) + len(incoming),
+                "tokens": sum(len(r.token_ids) for r in queued) + sum(i.request.num_prompt for i in incoming),
+                "prefill_tokens": sum(max(0, r.num_prompt - r.num_computed) for r in queued)}
+
     def stats(self) -> dict:
         """Counters: prefix-cache hits and skipped tokens, evictions, preemptions, state memory, and with
         speculative decoding the drafts' acceptance (`Speculator.stats`)."""

@@ -1,12 +1,18 @@
-"""The OpenAI-compatible HTTP endpoint: a FastAPI ingress on Ray Serve in front of one deployment.
+"""The OpenAI-compatible HTTP endpoint: stateless FastAPI ingress replicas on Ray Serve in front of
+one data plane.
 
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending in [DONE])
     GET  /v1/models, /health, /metrics
 
 `build(settings)` is the Ray Serve application builder (`serve run deploy/tiny-cpu.yaml`,
-`rackserve serve`). Every failure a client can cause is answered with an OpenAI-shaped 4xx and
-costs nobody else anything; more than `max_inflight` requests in progress get 429 + Retry-After.
-A client that goes away mid-stream aborts its request, which frees its state on every rank.
+`rackserve serve`): `num_ingress_replicas` replicas of `OpenAIServer`. The engines belong to the
+app's data plane (`rackserve.serve.controller`, a detached actor the first replica creates and the
+others attach to by name); each replica routes with its own `Router` and streams each request
+straight from its decode rank (`DeploymentClient`), so the HTTP tier scales out, and a replica that
+dies or is upgraded costs only its own streams, never the engines. Every failure a client can cause
+is answered with an OpenAI-shaped 4xx and costs nobody else anything; more than `max_inflight`
+requests in progress on a replica get 429 + Retry-After. A client that goes away mid-stream aborts
+its request, which frees its state on every rank.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at runtime.
@@ -16,22 +22,28 @@ import asyncio
 import hmac
 import logging
 import time
+from pathlib import Path
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
-from rackserve.actors.instance import InstanceError
+from rackserve.actors.deployment_client import DeploymentClient
+from rackserve.actors.instance_client import InstanceError
+from rackserve.model.tiny import ensure_tiny
+from rackserve.model.tokenizer import Tokenizer
 from rackserve.serve import protocol as api
 from rackserve.serve.config import ServeConfig
-from rackserve.serve.controller import Controller
+from rackserve.serve.controller import RemoteDataPlane, data_plane, shutdown_data_planes
 from rackserve.serve.ingress import check_direct_ingress
 from rackserve.serve.metrics import Metrics
 
 logger = logging.getLogger("ray.serve")
 RETRY_AFTER_S = 1
 EXTRA_ONGOING = 64  # Serve admits this many beyond max_inflight, so health and metrics get through
+REPLICA_HEADER = "x-rackserve-replica"  # on generation responses: the ingress replica that answered
 
 app = FastAPI(title="rackserve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -102,22 +114,32 @@ def _error(e: api.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+# a dead replica is noticed in seconds (Serve's defaults: checked every 10 s, 30 s to answer), so a
+# replacement takes its streams' place fast; the check is only that the replica process answers
+@serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=2.0, health_check_timeout_s=10.0)
 @serve.ingress(app)
 class OpenAIServer:
     def __init__(self, settings: dict):
         self.config = ServeConfig.from_dict(settings)
         if self.config.ingress == "direct":
             check_direct_ingress(self.config.port)
-        self.controller = Controller(self.config)
-        self.deployment = self.controller.deployment
+        self.plane = data_plane(self.config, serve.get_replica_context().app_name)  # waits until it is built
+        info = ray.get(self.plane.info.remote())
+        self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
+        path = ensure_tiny() if self.config.model == "tiny" else info["path"]  # the tiny model: made on this node
+        self.tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
+        self.deployment = DeploymentClient(RemoteDataPlane(self.plane), self.tokenizer, name="ingress")
         self.metrics = Metrics()
         self.inflight = 0
+        self.replica = serve.get_replica_context().replica_id.unique_id
+
+    def __del__(self):  # Serve stops the replica: its pumps go; its requests' ranks abort what it left
+        self.deployment.close()
 
     # ---- plain routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        report = await asyncio.to_thread(self.controller.health)
+        report = await self.plane.health.remote()
         return JSONResponse(report, status_code=200 if report["healthy"] else 503)
 
     @app.get("/v1/models")
@@ -127,21 +149,26 @@ class OpenAIServer:
         except api.APIError as e:
             return _error(e)
         card = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "rackserve",
-                "max_model_len": self.controller.max_model_len}
+                "max_model_len": self.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/metrics")
     async def prometheus(self) -> Response:
-        self.metrics.observe_deployment(await asyncio.to_thread(self.deployment.stats))
+        self.metrics.observe_deployment(await self.plane.stats.remote())
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=False)
+        return self._signed(await self._generate(request, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=True)
+        return self._signed(await self._generate(request, chat=True))
+
+    def _signed(self, response: Response) -> Response:
+        """`response` with the header naming the replica that answered (which one took a request)."""
+        response.headers[REPLICA_HEADER] = self.replica
+        return response
 
     # ---- generation ----------------------------------------------------------------------------------
     async def _generate(self, request: Request, chat: bool) -> Response:
@@ -151,7 +178,8 @@ class OpenAIServer:
             body = api.parse_json(await _read_body(request))
             req = (api.parse_chat if chat else api.parse_completion)(body, [self.config.model_name])
             ids = self._prompt_ids(req, chat)
-            params = req.sampling(len(ids), self.controller.max_model_len)
+            session = api.session_of(body, request.headers)
+            params = req.sampling(len(ids), self.max_model_len)
             if self.inflight >= self.config.max_inflight:
                 raise api.APIError(429, f"the server has {self.inflight} requests in progress, its limit; retry "
                                         f"in {RETRY_AFTER_S} s", "rate_limit_error", code="server_busy")
@@ -162,12 +190,12 @@ class OpenAIServer:
         self.metrics.inflight.set(self.inflight)
         arrival = time.monotonic()
         try:
-            request_id = await asyncio.to_thread(self.deployment.submit, ids, params)
+            request_id = await asyncio.to_thread(self.deployment.submit, ids, params, session)
         except (InstanceError, ValueError) as e:
             logger.warning("request refused: %s", e)
             self._done(endpoint, 503)
             return _error(api.APIError(503, f"the deployment could not take the request: {e}", "server_error"))
-        reply = _Reply(api.new_request_id(chat), self.config.model_name, chat, req, arrival, self.controller.tokenizer)
+        reply = _Reply(api.new_request_id(chat), self.config.model_name, chat, req, arrival, self.tokenizer)
         if req.stream:
             return StreamingResponse(self._events(request_id, reply, endpoint), media_type="text/event-stream")
         status = 200
@@ -231,7 +259,7 @@ class OpenAIServer:
                                "authentication_error", code="invalid_api_key")
 
     def _prompt_ids(self, req, chat: bool) -> list[int]:
-        tok = self.controller.tokenizer
+        tok = self.tokenizer
         if chat or isinstance(req.prompt, str):
             if tok is None:
                 raise api.APIError(400, "this model has no tokenizer; send the prompt as token ids to /v1/completions",
@@ -242,12 +270,19 @@ class OpenAIServer:
             except ValueError as e:
                 raise api.APIError(400, str(e), param="messages") from None
         ids = tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        if any(not 0 <= t < self.controller.vocab_size for t in ids):
-            raise api.APIError(400, f"prompt token ids must be in [0, {self.controller.vocab_size})", param="prompt")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise api.APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return ids
+
+
+def delete(app: str) -> None:
+    """Delete Serve app `app` and stop its data plane, which outlives the app's replicas on purpose."""
+    serve.delete(app)
+    shutdown_data_planes(f"rackserve-{app}")
 
 
 def build(settings: dict | None = None) -> serve.Application:
     """The Ray Serve application of a `ServeConfig` (its fields as a dict; defaults when empty)."""
     config = ServeConfig.from_dict(settings or {})
-    return OpenAIServer.options(max_ongoing_requests=config.max_inflight + EXTRA_ONGOING).bind(config.to_dict())
+    return OpenAIServer.options(num_replicas=config.num_ingress_replicas,
+                                max_ongoing_requests=config.max_inflight + EXTRA_ONGOING).bind(config.to_dict())

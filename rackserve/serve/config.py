@@ -11,6 +11,8 @@ from rackserve.config import ConfigError
 from rackserve.serve.ingress import INGRESS_KINDS
 
 BUILDER = "rackserve.serve.app:build"
+# settings of the HTTP tier alone: changing them restarts ingress replicas, never the engines
+INGRESS_FIELDS = ("served_model_name", "host", "port", "ingress", "api_key", "max_inflight", "num_ingress_replicas")
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,10 @@ class ServeConfig:
     "direct" (the replica serves HTTP itself, skipping a hop each way; the cluster must be started
     for it, see `rackserve.serve.ingress`);
     api_key: when set, requests need `Authorization: Bearer <api_key>`; max_inflight: requests in
-    progress before new ones get 429 (backpressure, not an unbounded queue); timeout (s): a gang
-    member silent this long fails its instance."""
+    progress per ingress replica before new ones get 429 (backpressure, not an unbounded queue);
+    num_ingress_replicas: stateless HTTP replicas in front of the one data plane (each routes and
+    streams by itself; with direct ingress each listens on its own port from `port` on); timeout (s):
+    a gang member silent this long fails its instance."""
 
     model: str = "tiny"
     served_model_name: str | None = None
@@ -47,6 +51,7 @@ class ServeConfig:
     ingress: str = "proxy"
     api_key: str | None = None
     max_inflight: int = 256
+    num_ingress_replicas: int = 1
     timeout: float = 30.0
 
     def __post_init__(self) -> None:
@@ -55,6 +60,8 @@ class ServeConfig:
                               "('per_tray', 'per_rack' or 'none') with one")
         if not isinstance(self.max_inflight, int) or self.max_inflight < 1:
             raise ConfigError(f"max_inflight={self.max_inflight!r} must be an integer ≥ 1")
+        if not isinstance(self.num_ingress_replicas, int) or self.num_ingress_replicas < 1:
+            raise ConfigError(f"num_ingress_replicas={self.num_ingress_replicas!r} must be an integer ≥ 1")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ConfigError(f"port={self.port!r} must be an integer in [0, 65535]")
         if self.ingress not in INGRESS_KINDS:

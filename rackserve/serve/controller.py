@@ -1,12 +1,25 @@
-"""The controller: owns one deployment's lifecycle behind the endpoint.
+"""The data plane's owner: a named, detached actor that keeps one deployment alive behind the ingress.
 
-It builds the `Deployment` (instances and KV stores) from a `ServeConfig` — placed by the rack
-planner into placement groups when the config names a topology — knows the model's
-limits (context length, vocabulary, tokenizer), answers health checks by pinging every member, and
-shuts everything down. Failed gangs restart themselves (`Instance`); health reports them.
+`Controller` builds the `Deployment` (instances and KV stores) from a `ServeConfig` — placed by the
+rack planner into placement groups when the config names a topology — so the rank actors and stores
+are *its* children: they live as long as it does, not as long as any ingress replica. It restarts
+failed gangs (when a client reports one), gathers the ranks' load reports, answers health checks by
+pinging every member, and hands ingress replicas what they need to route and stream themselves
+(`view`, `members_of`, `loads`); it is on no request's path.
+
+`data_plane(config, app)` gets it by name, or creates it: every ingress replica of an app calls it, so
+the first one creates it and the rest (and any replica restarted later, or a rolling upgrade of the
+ingress) attach to the same engines. Its name carries a digest of the settings that shape the data
+plane (model, instances, engine fields, stores, placement); a config that changes them gets a new
+data plane, which first shuts down the app's old one (its GPUs are needed). Settings of the ingress
+alone (port, API key, backpressure, replica count) keep it. `shutdown_data_planes(app)` stops them.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import re
 
 import ray
 
@@ -14,14 +27,20 @@ from rackserve.actors.deployment import Deployment
 from rackserve.config import EngineConfig, ModelConfig
 from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
 from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
-from rackserve.serve.config import ServeConfig
+from rackserve.serve.config import INGRESS_FIELDS, ServeConfig
+from rackserve.serve.router import RankKey
 
 HEALTH_TIMEOUT_S = 5.0
 PLACEMENT_TIMEOUT_S = 300.0
+NAMESPACE = "rackserve"  # the data planes' Ray namespace, whatever namespace an ingress replica runs in
 
 
 class Controller:
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, name: str | None = None):
+        """The data plane of `config`; `name`: its actor name, when it runs as one (older data planes
+        of the same app are shut down first)."""
+        if name is not None:
+            shutdown_data_planes(name.rsplit("-", 1)[0], keep=name)
         self.config = config
         self.plan, self.groups = self._place(config) if config.topology else (None, None)
         self.deployment = Deployment(config.model, prefill=config.prefill, decode=config.decode,
@@ -47,6 +66,27 @@ class Controller:
         wait_ready(groups, timeout_s=PLACEMENT_TIMEOUT_S)
         return placed, groups
 
+    # ---- what ingress replicas need -----------------------------------------------------------------------
+    def info(self) -> dict:
+        """The model's limits: vocabulary size, the context every rank takes, the checkpoint directory."""
+        return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len, "path": self.deployment.path}
+
+    def view(self) -> dict:
+        return self.deployment.view()
+
+    def members_of(self, name: str) -> tuple[int, list]:
+        return self.deployment.members_of(name)
+
+    def gang_failed(self, name: str, generation: int, why: str) -> str:
+        return self.deployment.gang_failed(name, generation, why)
+
+    def loads(self) -> dict[RankKey, dict]:
+        return self.deployment.loads()
+
+    def pids(self) -> dict[str, list[int]]:
+        """Every instance's member process ids (to see that an ingress change left them alone)."""
+        return {inst.name: [p["pid"] for p in inst.ping()] for inst in self.deployment.prefill + self.deployment.decode}
+
     def health(self) -> dict:
         """{"healthy": bool, "instances": {name: "ok" | why not}, "kv_stores": live / total}: every rank
         answers a ping within HEALTH_TIMEOUT_S (a dead KV store degrades caching, not health)."""
@@ -64,11 +104,77 @@ class Controller:
                     errors = [f"a member died ({type(e).__name__}); it restarts with the next request"]
                 status = errors[0] if errors else status
             instances[inst.name] = status
-        stores = len(self.deployment.stores)
+        refs = [store.metadata.remote() for store in self.deployment.stores]
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
+        live = 0
+        for ref in answered:
+            try:
+                ray.get(ref)
+                live += 1
+            except ray.exceptions.RayActorError:
+                pass
         return {"healthy": all(s == "ok" for s in instances.values()), "instances": instances,
-                "kv_stores": f"{stores - len(self.deployment.dead_stores)}/{stores}"}
+                "kv_stores": f"{live}/{len(refs)}"}
+
+    def stats(self) -> dict:
+        return self.deployment.stats()
 
     def shutdown(self) -> None:
         self.deployment.shutdown()
         if self.groups:
             remove(self.groups)
+
+
+class RemoteDataPlane:
+    """A data plane actor seen as a `DeploymentOwner`, for a `DeploymentClient` in another process."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def view(self) -> dict:
+        return ray.get(self.actor.view.remote())
+
+    def members_of(self, name: str) -> tuple[int, list]:
+        return ray.get(self.actor.members_of.remote(name))
+
+    def gang_failed(self, name: str, generation: int, why: str) -> str:
+        return ray.get(self.actor.gang_failed.remote(name, generation, why))
+
+    def loads(self) -> dict[RankKey, dict]:
+        return ray.get(self.actor.loads.remote())
+
+
+def data_plane_name(config: ServeConfig, app: str) -> str:
+    """`rackserve-<app>-<digest of the data plane's settings>`: the same for every ingress replica of the
+    app, and for an ingress whose own settings alone changed."""
+    shaping = {k: v for k, v in config.to_dict().items() if k not in INGRESS_FIELDS}
+    digest = hashlib.blake2b(json.dumps(shaping, sort_keys=True, default=str).encode(), digest_size=5).hexdigest()
+    return f"rackserve-{app}-{digest}"
+
+
+def data_plane(config: ServeConfig, app: str):
+    """The data plane actor of `config` for Serve app `app`: the running one, or a new one (detached: it
+    outlives the replica that made it). Its constructor builds the deployment; calls wait for it."""
+    actor = ray.remote(Controller).options(name=data_plane_name(config, app), namespace=NAMESPACE,
+                                           lifetime="detached", get_if_exists=True, num_cpus=0,
+                                           max_concurrency=256)
+    return actor.remote(config, data_plane_name(config, app))
+
+
+def shutdown_data_planes(app_prefix: str, keep: str | None = None) -> list[str]:
+    """Shut down and remove the data planes whose names start with `app_prefix` (`rackserve-<app>`),
+    but `keep`; their names."""
+    ours = re.compile(re.escape(app_prefix) + r"-[0-9a-f]{10}")
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and ours.fullmatch(a["name"]) and a["name"] != keep]
+    for name in names:
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+            ray.get(actor.shutdown.remote(), timeout=60)
+        except (ValueError, ray.exceptions.RayError):
+            pass  # gone already, or stuck: killed below
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+        except ValueError:
+            pass
+    return names

@@ -10,8 +10,9 @@
 Serve reads direct ingress from environment variables in its controller and replicas, so it is a
 property of the Ray cluster: a cluster that rackserve starts (`rackserve serve` without
 `--address`) gets `direct_ingress_env`; one started elsewhere needs it at `ray start`. The port
-range starts at the endpoint's port, as an endpoint has one replica, which takes the first free
-port; no quarantine, so a restarted replica takes its port back at once.
+range starts at the endpoint's port and holds one port per ingress replica, each taking the first
+free one (with several replicas, a load balancer in front spreads clients over their ports; Serve's
+proxy does that by itself); no quarantine, so a restarted replica takes its port back at once.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ _FLAG, _MIN_PORT = "RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_
 
 def direct_ingress_env(port: int, apps: int = 1, load_balanced: bool = True) -> dict[str, str]:
     """The environment of a Ray cluster whose endpoint replicas serve HTTP themselves: the first
-    app's on `port`, the next ones' on the ports after it (one port per app, as each has one replica).
+    replica on `port`, the next ones (of this app or others) on the ports after it; `apps`: how many
+    replicas in all (one port each).
 
     A stopping replica stays reachable for 30 s (Serve's default) so that a load balancer in front
     can deregister it; `load_balanced=False`, for a cluster on one machine with nothing in front

@@ -6,8 +6,9 @@ response bodies, stream chunks and errors leave as dicts (and `sse` bytes) for t
 Parsing checks every field it uses (JSON type, then range) and raises `APIError` naming the field, so one
 error response tells a client what to fix. Fields that would change the output in ways this engine does not
 implement (penalties, logit_bias, tools, …) are refused unless they ask for the default; other fields this
-server does not use (`user`, `metadata`, …) are ignored, as OpenAI-compatible servers do. A field sent as JSON
-null counts as absent.
+server does not use (`metadata`, …) are ignored, as OpenAI-compatible servers do. A field sent as JSON
+null counts as absent. `user` (or an `X-Session-Id` header, which wins) names the session a request belongs
+to: requests of one session are routed to the same ranks, where its history is cached (`session_of`).
 
 `max_tokens` is resolved late: chat without a cap may use every position the context leaves after the
 prompt, which is only known once the messages are rendered and tokenized. So requests keep `max_tokens`
@@ -377,6 +378,12 @@ def parse_chat(body: dict, served_models: list[str]) -> ChatRequest:
         max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
         base_params=_base_params(body, top_logprobs if logprobs else None),
     )
+
+
+def session_of(body: dict, headers) -> str | None:
+    """The routing session of a request: its `X-Session-Id` header, else its `user` field, else None."""
+    session = headers.get("x-session-id") or body.get("user")
+    return session if isinstance(session, str) and session else None
 
 
 def new_request_id(chat: bool) -> str:

@@ -1,0 +1,291 @@
+"""`InstanceClient`: the request side of one instance, usable from any process that has its handles.
+
+The instance's owner (`Instance`, which creates, restarts and stops the gang) holds one for its own
+Python API; every ingress replica holds one per instance, built from handles the owner hands out.
+A client submits to a DP rank (waking the rest of the gang so that it steps too), streams the
+outputs of its own requests from its own output pump per DP rank, and aborts them. Each client is a
+separate *consumer* of the ranks' outputs (`DPRank.poll_all`), so many clients share a gang without
+seeing each other's requests, and outputs go straight from the rank to the process that streams
+them.
+
+Outputs: a pump thread per DP rank this client has submitted to long-polls the rank for the outputs
+of all of this client's requests there and puts each request's into its stream, which `stream` and
+`astream` read; so a rank answers one poll per client at a time however many requests it runs.
+
+Faults: a call or poll that finds the gang failed asks the owner (`GangOwner.gang_failed`) to
+restart it (once, however many clients find it), ends the streams of that gang's requests with the
+owner's reason, and takes the fresh gang's handles (`GangOwner.members_of`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import asdict
+from typing import Protocol
+
+import ray
+
+from rackserve.engine import SamplingParams
+
+POLL_TIMEOUT_S = 1.0  # an output pump's long-poll: an idle DP rank answers one poll per second
+
+
+class InstanceError(RuntimeError):
+    """The instance's gang failed under a request; the message names the member and what to do."""
+
+
+class GangOwner(Protocol):
+    """What a client needs from whoever owns the gangs (an `Instance`, or the serving data plane)."""
+
+    def members_of(self, name: str) -> tuple[int, list]:
+        """The current gang of instance `name`: (generation, member handles)."""
+
+    def gang_failed(self, name: str, generation: int, why: str) -> str:
+        """Gang `generation` of `name` failed (a client saw `why`): restart it if it is still the current
+        one; why it failed, for the requests it lost."""
+
+
+class _Stream:
+    """One request's outputs on their way to its reader: the output pump of its DP rank (a thread)
+    puts them, `InstanceClient.stream` takes them blocking, `astream` awaiting (the pump wakes its
+    event loop). A stream ends with a finished output or an `InstanceError`."""
+
+    def __init__(self, rank: int, generation: int):
+        self.rank, self.generation = rank, generation
+        self._items: list = []  # output dicts, maybe an InstanceError last
+        self._ready = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None  # an asyncio reader's, from its first take
+        self._event: asyncio.Event | None = None
+
+    def put(self, items: list) -> None:
+        with self._ready:
+            self._items += items
+            self._ready.notify()
+            loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._event.set)
+            except RuntimeError:  # the reader's event loop is closed: nobody waits
+                pass
+
+    def take(self) -> list[dict]:
+        """The outputs put since the last take (waits for one); raises the error that ended the stream."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._items)
+            return self._pop()
+
+    async def atake(self) -> list[dict]:
+        """`take` for an asyncio reader: awaits instead of blocking its event loop."""
+        with self._ready:
+            if self._loop is None:
+                self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
+        while True:
+            with self._ready:
+                if self._items:
+                    self._event.clear()  # sets still queued are for the items taken here
+                    return self._pop()
+            await self._event.wait()
+
+    def _pop(self) -> list[dict]:
+        """The outputs before the first error (the error stays, for the next take), or that error."""
+        end = next((i for i, item in enumerate(self._items) if isinstance(item, InstanceError)), len(self._items))
+        if end == 0:
+            raise self._items[0]
+        outs, self._items = self._items[:end], self._items[end:]
+        return outs
+
+
+class InstanceClient:
+    def __init__(self, name: str, dep: int, owner: GangOwner, shape: str = "", consumer: str | None = None):
+        """The request side of instance `name` (`dep` DP ranks, members `0 … dep-1` of its gang) whose
+        gangs `owner` keeps; `consumer`: this client's name at the ranks (default: a fresh one)."""
+        self.name, self.dep, self.shape, self._owner = name, dep, shape or f"instance {name!r}", owner
+        self.consumer = consumer or f"{name}-{secrets.token_hex(6)}"
+        self._lock = threading.Lock()  # the view (generation, members) and the pumps running
+        self.generation, self.members = owner.members_of(name)
+        self._pumps: set[tuple[int, int]] = set()  # (generation, DP rank) with a pump running
+        self._streams: dict[str, _Stream] = {}  # request id -> its outputs' stream (DP rank, gang generation)
+        self._streams_lock = threading.Lock()  # held only to read or change `_streams`, never across a call
+        self._closed = False
+
+    # ---- the gang ------------------------------------------------------------------------------------
+    def _failed(self, generation: int, cause: BaseException | str) -> str:
+        """Gang `generation` failed under us: the owner restarts it (if nobody has yet) and says why;
+        then take the fresh gang's handles."""
+        why = self._owner.gang_failed(self.name, generation, cause if isinstance(cause, str) else
+                                      f"{type(cause).__name__}: {cause}")
+        self.refresh()
+        return why
+
+    def refresh(self) -> None:
+        """Take the owner's current gang (after a restart, whoever made it)."""
+        generation, members = self._owner.members_of(self.name)
+        with self._lock:
+            if generation > self.generation:
+                self.generation, self.members = generation, members
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+               rank: int | None = None, push_to: list | None = None, cached: tuple[int, list] | None = None) -> str:
+        """Queue a request on DP rank `rank` (default: the one streaming the fewest of ours); returns its
+        id. A gang found dead here is restarted first, so the request is served. `push_to`/`cached`: see
+        `DPRank.submit` (disaggregated prefill)."""
+        request_id = request_id or f"{self.consumer}-{secrets.token_hex(4)}"
+        self._on_rank(rank, request_id, "submit", prompt, asdict(params or SamplingParams()), push_to, cached,
+                      own=push_to is None)  # a pushed request is streamed from its decode instance
+        return request_id
+
+    def reserve(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                rank: int | None = None) -> tuple[str, list | None]:
+        """Decode side of P/D: (request id, a reservation in wire form for the prefill rank, or None
+        when the rank's pool is full and it prefills the request itself). Stream it as usual."""
+        request_id = request_id or f"{self.consumer}-{secrets.token_hex(4)}"
+        return request_id, self._on_rank(rank, request_id, "reserve", prompt, asdict(params))
+
+    def _on_rank(self, rank: int | None, request_id: str, method: str, *args, own: bool = True):
+        """Call `method(request_id, *args)` on DP rank `rank` (default: the least loaded), waking the
+        whole gang; `own`: stream the request from here (it counts in the rank's load). The lock is
+        held only to choose: the call waits for the rank's next step boundary (a reservation), and
+        concurrent submits must reach the rank in the same step, not one per step."""
+        for attempt in (0, 1):
+            with self._lock:
+                generation, members = self.generation, self.members
+                at = self._least_loaded() if rank is None else rank
+                if own:  # counted before the call, so that concurrent submits spread over the ranks
+                    with self._streams_lock:
+                        self._streams[request_id] = _Stream(at, generation)
+                    self._start_pump(generation, at)
+            target = members[at]
+            extra = {"consumer": self.consumer} if own else {}
+            try:  # every member must resume stepping with it
+                result, *_ = ray.get([getattr(target, method).remote(request_id, *args, **extra)] +
+                                     [m.wake.remote() for m in members if m is not target])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                self._forget(request_id)
+                if isinstance(getattr(e, "cause", None), ValueError):
+                    raise e.cause from None  # the rank refused this request (e.g. too long): not the gang's fault
+                reason = self._failed(generation, e)
+                if attempt:
+                    raise InstanceError(f"{reason}; a fresh gang failed too, check the members' logs") from None
+                continue
+            return result
+        raise AssertionError("unreachable")
+
+    def _least_loaded(self) -> int:
+        """The DP rank streaming the fewest of this client's requests of the current gang (under `_lock`)."""
+        loads = [0] * self.dep
+        with self._streams_lock:
+            for stream in self._streams.values():
+                loads[stream.rank] += stream.generation == self.generation
+        return loads.index(min(loads))
+
+    def stream(self, request_id: str) -> Iterator[dict]:
+        """The request's outputs as they come: dicts with new_text, new_token_ids, finished, …;
+        raises `InstanceError` if the gang fails under it."""
+        outputs = self._stream_of(request_id)
+        try:
+            while True:
+                outs = outputs.take()
+                yield from outs
+                if outs[-1]["finished"]:
+                    return
+        finally:
+            self._forget(request_id)
+
+    async def astream(self, request_id: str) -> AsyncIterator[dict]:
+        """`stream` for asyncio callers (an HTTP server): awaits outputs without blocking the event loop."""
+        outputs = self._stream_of(request_id)
+        try:
+            while True:
+                outs = await outputs.atake()
+                for out in outs:
+                    yield out
+                if outs[-1]["finished"]:
+                    return
+        finally:
+            self._forget(request_id)
+
+    def _stream_of(self, request_id: str) -> _Stream:
+        with self._streams_lock:
+            return self._streams[request_id]
+
+    def _forget(self, request_id: str) -> _Stream | None:
+        with self._streams_lock:
+            return self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str, rank: int | None = None) -> None:
+        """Stop a request and free its state (a request of a failed gang is already gone). `rank`:
+        where a request not streamed from here runs (a pushed prefill)."""
+        stream = self._forget(request_id)
+        with self._lock:
+            rank, generation = ((stream.rank, stream.generation) if stream is not None
+                                else (rank, self.generation if rank is not None else None))
+            members = self.members if generation == self.generation else None
+        if members is not None:
+            try:
+                ray.get(members[rank].abort.remote(request_id))
+            except ray.exceptions.RayActorError:
+                pass
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[dict]:
+        """Run prompts to completion across the ranks: per prompt, its token ids, text and finish
+        reason (the error message for input the engine refused)."""
+        ids = [self.submit(p, params) for p in prompts]
+        results = []
+        for request_id in ids:
+            tokens, text, reason = [], "", None
+            for out in self.stream(request_id):
+                tokens += out["new_token_ids"]
+                text += out["new_text"]
+                reason = out.get("error") or out["finish_reason"]
+            results.append({"token_ids": tokens, "text": text, "finish_reason": reason})
+        return results
+
+    # ---- outputs ----------------------------------------------------------------------------------------
+    def _start_pump(self, generation: int, rank: int) -> None:
+        """A pump for DP rank `rank` of gang `generation`, unless one runs (call under `_lock`)."""
+        if (generation, rank) not in self._pumps:
+            self._pumps.add((generation, rank))
+            threading.Thread(target=self._pump, args=(generation, rank, self.members[rank]), daemon=True,
+                             name=f"{self.consumer}-g{generation}-pump{rank}").start()
+
+    def _pump(self, generation: int, rank: int, member) -> None:
+        """The output pump of DP rank `rank` of gang `generation`: long-polls the rank for this
+        client's outputs and puts each request's into its stream, until the gang fails (it then ends
+        the streams of the rank's requests with the owner's reason, after the restart), the gang is
+        replaced, or the client closes."""
+        while not self._closed:
+            try:
+                ready = ray.get(member.poll_all.remote(POLL_TIMEOUT_S, self.consumer))
+            except ray.exceptions.RayError as e:  # the rank or its gang failed, or it was shut down
+                if not self._closed:
+                    why = f"{self.shape} failed and did not restart; check the members' logs"
+                    try:
+                        why = f"{self._failed(generation, e)}. The instance restarted its gang; resubmit the request"
+                    finally:  # whatever the restart did, no reader waits forever
+                        self.end_streams(generation, rank, why)
+                break
+            with self._streams_lock:
+                for request_id, outs in ready.items():
+                    stream = self._streams.get(request_id)
+                    if stream is not None and stream.generation == generation:
+                        stream.put(outs)
+        with self._lock:
+            self._pumps.discard((generation, rank))
+
+    def end_streams(self, generation: int, rank: int | None, why: str) -> None:
+        """End the streams of gang `generation`'s requests on DP rank `rank` (None: every rank) with
+        an `InstanceError` saying `why`."""
+        with self._streams_lock:
+            for request_id, stream in self._streams.items():
+                if stream.generation == generation and rank in (None, stream.rank):
+                    stream.put([InstanceError(f"request {request_id} was lost: {why}")])
+
+    def close(self, why: str | None = None) -> None:
+        """Stop the pumps (within a poll); with `why`, end every open stream with it."""
+        self._closed = True
+        if why is not None:
+            self.end_streams(self.generation, None, why)

@@ -1,0 +1,74 @@
+"""`Router`: which decode rank and which prefill rank take a request. Plain Python, no Ray.
+
+Every ingress replica (and the Python API's `Deployment`) runs its own router over the same inputs,
+so N replicas route alike without talking to each other:
+
+* **Loads** are the ranks' own reports (`DPRank.load`, gathered by the data plane a few times a
+  second and fetched by each router: `update`), plus what this router has sent to a rank since the
+  last report (`route`), so a burst between two reports spreads instead of piling onto one rank.
+  A decode rank's load is the tokens of state it holds or will (prompt + output so far, pushes on
+  their way); a prefill rank's, the prompt tokens it has yet to prefill.
+* **Affinity.** A request of a session goes to the rank with the highest rendezvous hash of (session,
+  rank) whose load is within `slack` of the mean (consistent hashing with bounded loads): every
+  router computes the same choice from the session id alone, turn 2 lands where turn 1's state and
+  KV-store prefix are, and a session moves only when its rank is overloaded or gone. A request
+  without a session goes to the least loaded rank.
+* **Memory.** Affinity needs no table: the router keeps one counter per rank and nothing per session
+  or request, however many sessions come and go (`size`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+RankKey = tuple[str, int]  # (instance name, DP rank): the same in every process
+
+
+class Router:
+    def __init__(self, decode: Sequence[RankKey], prefill: Sequence[RankKey], slack: float = 0.5):
+        """`decode` / `prefill`: the ranks requests may go to; `slack`: how far above the mean load a
+        session's own rank may be before its request goes to the session's next rank."""
+        if not decode:
+            raise ValueError("a router needs at least one decode rank")
+        self.decode, self.prefill, self.slack = list(decode), list(prefill), slack
+        self._reported: dict[RankKey, dict] = {}
+        self._sent: dict[tuple[str, RankKey], int] = {}  # (role, rank) -> tokens routed since the last report
+
+    def update(self, loads: dict[RankKey, dict]) -> None:
+        """Take the ranks' latest reports ({rank: `DPRank.load()`}); what was routed before is in them."""
+        self._reported = dict(loads)
+        self._sent.clear()
+
+    def route(self, session: str | None, prompt_tokens: int, max_tokens: int) -> tuple[RankKey, RankKey | None]:
+        """(decode rank, prefill rank or None without prefill ranks) for a request, counted as sent."""
+        decode = self._pick("decode", self.decode, session, prompt_tokens + max_tokens)
+        prefill = self._pick("prefill", self.prefill, session, prompt_tokens) if self.prefill else None
+        return decode, prefill
+
+    def load(self, role: str, rank: RankKey) -> int:
+        """The load this router sees on `rank` (reported + sent since)."""
+        reported = self._reported.get(rank, {}).get("tokens" if role == "decode" else "prefill_tokens", 0)
+        return reported + self._sent.get((role, rank), 0)
+
+    @property
+    def size(self) -> int:
+        """Entries this router holds: reports and counters, one per rank at most."""
+        return len(self._reported) + len(self._sent)
+
+    def _pick(self, role: str, ranks: list[RankKey], session: str | None, tokens: int) -> RankKey:
+        loads = {rank: self.load(role, rank) for rank in ranks}
+        if session is None:
+            chosen = min(ranks, key=lambda rank: loads[rank])
+        else:
+            bound = (1 + self.slack) * sum(loads.values()) / len(ranks) + tokens
+            order = sorted(ranks, key=lambda rank: _weight(session, rank), reverse=True)
+            chosen = next(rank for rank in order if loads[rank] <= bound)
+        self._sent[(role, chosen)] = self._sent.get((role, chosen), 0) + tokens
+        return chosen
+
+
+def _weight(session: str, rank: RankKey) -> int:
+    """The rendezvous hash of (session, rank): the same in every process (not Python's salted hash)."""
+    digest = hashlib.blake2b(f"{session}\0{rank[0]}\0{rank[1]}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")

@@ -1,0 +1,56 @@
+"""The ingress `Router` on its own (no Ray): affinity every replica agrees on, loads, bounded memory."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from rackserve.serve.router import Router
+
+DECODE = [("decode0-x", 0), ("decode0-x", 1), ("decode1-x", 0), ("decode1-x", 1)]
+PREFILL = [("prefill0-x", 0), ("prefill1-x", 0)]
+
+
+def test_two_routers_send_a_session_to_the_same_ranks():
+    """Two replicas' routers, fed the same reports, route every session alike without sharing anything."""
+    a, b = Router(DECODE, PREFILL), Router(DECODE, PREFILL)
+    for i in range(200):
+        session = f"chat-{i}"
+        assert a.route(session, 100, 20) == b.route(session, 100, 20)
+        a.update({}), b.update({})  # fresh reports each time: only the hash decides
+    # and the sessions spread over the ranks
+    spread = Counter(Router(DECODE, PREFILL).route(f"s{i}", 1, 1)[0] for i in range(400))
+    assert set(spread) == set(DECODE) and min(spread.values()) > 50
+
+
+def test_a_session_stays_put_until_its_rank_is_overloaded():
+    router = Router(DECODE, PREFILL, slack=0.5)
+    home, _ = router.route("chat-7", 100, 100)
+    router.update({rank: {"tokens": 1000, "prefill_tokens": 0} for rank in DECODE})
+    assert router.route("chat-7", 100, 100)[0] == home  # balanced: where its history is
+    router.update({**{rank: {"tokens": 1000} for rank in DECODE}, home: {"tokens": 10_000}})
+    moved, _ = router.route("chat-7", 100, 100)
+    assert moved != home  # far above the mean: the session's next rank takes it
+    router.update({rank: {"tokens": 1000} for rank in DECODE})
+    assert router.route("chat-7", 100, 100)[0] == home  # and comes back once the load evens out
+
+
+def test_requests_without_a_session_go_to_the_least_loaded_rank_and_a_burst_spreads():
+    router = Router(DECODE, PREFILL)
+    router.update({**{rank: {"tokens": 500, "prefill_tokens": 300} for rank in DECODE + PREFILL},
+                   DECODE[2]: {"tokens": 10, "prefill_tokens": 0}, PREFILL[1]: {"tokens": 0, "prefill_tokens": 5}})
+    assert router.route(None, 100, 10) == (DECODE[2], PREFILL[1])
+    # between two reports, what this router sent counts: a burst does not pile onto one rank
+    burst = Counter(router.route(None, 100, 100)[0] for _ in range(40))
+    assert len(burst) == len(DECODE)
+    assert router.load("decode", DECODE[0]) == 500 + 200 * burst[DECODE[0]]
+
+
+def test_10000_sessions_leave_the_router_as_small_as_its_ranks():
+    """Affinity is a hash, not a table: a router holds a report and a counter per rank, whatever the
+    number of sessions that passed through it."""
+    router = Router(DECODE, PREFILL)
+    for i in range(10_000):
+        router.route(f"user-{i}", 64, 16)
+        if i % 100 == 0:
+            router.update({rank: {"tokens": i, "prefill_tokens": i} for rank in DECODE + PREFILL})
+    assert router.size <= 2 * len(DECODE + PREFILL)

@@ -1,0 +1,181 @@
+"""Two stateless ingress replicas over one data plane (Ray Serve on the session's cluster, started for
+direct ingress: each replica also answers on a port of its own from the cluster's range, so a test can
+pick the replica).
+
+The deployment: prefill DEP1, decode DEP2 and two KV stores, so each decode rank writes to a store of
+its own and a cache hit on a second turn shows the turn reached the first turn's decode rank.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from conftest import free_port
+from ray import serve
+
+from rackserve.engine import LLM, SamplingParams
+from rackserve.serve import ingress
+from rackserve.serve.app import REPLICA_HEADER, build, delete
+from rackserve.serve.config import ServeConfig
+from rackserve.serve.controller import NAMESPACE, data_plane_name
+
+APP = "rackserve-scale"
+ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "state_memory_mb": 32, "kv_pool_mb": 8}
+
+
+@pytest.fixture(scope="module")
+def endpoint(ray_cluster, tiny_checkpoint):
+    """(proxy URL, settings, the data plane actor)."""
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    settings = {"model": str(tiny_checkpoint), "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "1xDEP2",
+                "kv_stores": 2, "store_memory_mb": 16, "engine": ENGINE, "num_ingress_replicas": 2,
+                "ingress": "direct", "port": ray_cluster.direct_port}
+    serve.run(build(settings), name=APP, route_prefix="/scale")
+    plane = ray.get_actor(data_plane_name(ServeConfig.from_dict(settings), APP), namespace=NAMESPACE)
+    yield f"http://127.0.0.1:{port}/scale", settings, plane
+    delete(APP)
+    serve.shutdown()
+
+
+def replicas(ray_cluster, count: int = 2, other_than: frozenset = frozenset(), timeout: float = 120.0) -> dict:
+    """{replica id: its own URL}: the app's replicas answering on the cluster's direct-ingress ports,
+    once `count` of them (none of `other_than`) do."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {}
+        for port in range(ray_cluster.direct_port, ray_cluster.direct_port + 5):
+            url = f"http://127.0.0.1:{port}/scale"
+            try:
+                r = completion(url, prompt="x", max_tokens=1, timeout=5)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200 and r.headers[REPLICA_HEADER] not in other_than:
+                found[r.headers[REPLICA_HEADER]] = url
+        if len(found) >= count:
+            return found
+        assert time.monotonic() < deadline, f"{count} replicas did not answer in {timeout:.0f} s: {found}"
+        time.sleep(1.0)
+
+
+def greedy_text(checkpoint, prompt: str, max_tokens: int) -> str:
+    [c] = LLM(checkpoint).generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return c.text
+
+
+def completion(url: str, timeout: float = 120.0, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=timeout, json={"model": "tiny", "temperature": 0,
+                                                                       "ignore_eos": True, **body})
+
+
+@pytest.mark.slow
+def test_two_replicas_stream_concurrently_and_both_take_traffic(endpoint, ray_cluster, tiny_checkpoint):
+    proxy, _, _ = endpoint
+    prompts = [f"rack {i} hums" for i in range(8)]
+    want = {p: greedy_text(tiny_checkpoint, p, 10) for p in prompts}
+    client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0)
+    got, seen = {}, []
+
+    def one(p: str) -> None:
+        raw = client.completions.with_raw_response.create(model="tiny", prompt=p, max_tokens=10, temperature=0,
+                                                          stream=True, extra_body={"ignore_eos": True})
+        seen.append(raw.headers[REPLICA_HEADER])
+        got[p] = "".join(c.choices[0].text for c in raw.parse() if c.choices)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == want
+    # Serve's proxy spreads requests over the two replicas
+    assert set(seen) == set(replicas(ray_cluster)) and len(set(seen)) == 2
+
+
+@pytest.mark.slow
+def test_a_sessions_turns_through_either_replica_reach_its_ranks_and_cache(endpoint, ray_cluster):
+    a, b = replicas(ray_cluster).values()
+    turn1 = completion(a, prompt="The rack hums a long and steady tune " * 4, max_tokens=12, user="chat-42").json()
+    history = "The rack hums a long and steady tune " * 4 + turn1["choices"][0]["text"]
+    time.sleep(1.0)  # the decode rank writes the finished turn to its KV store
+    turn2 = completion(b, prompt=history + " and then", max_tokens=4, user="chat-42").json()
+    assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # the same through the session header, and from the other replica first
+    turn1 = completion(b, prompt="Fans spin in the cold aisle " * 4, max_tokens=12, user="x").json()
+    history = "Fans spin in the cold aisle " * 4 + turn1["choices"][0]["text"]
+    time.sleep(1.0)
+    cached = httpx.post(f"{a}/v1/completions", timeout=120, headers={"X-Session-Id": "x"},
+                        json={"model": "tiny", "prompt": history + " again", "max_tokens": 4, "temperature": 0})
+    assert cached.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def stream_tokens(url: str, prompt: str, max_tokens: int, started: threading.Event, result: dict) -> None:
+    """Stream a completion from `url` into `result` (tokens, or the error that ended it)."""
+    text, error = "", None
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                "ignore_eos": True, "stream": True,
+                                "stream_options": {"include_usage": True}}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    if '"usage"' in line and '"completion_tokens"' in line:
+                        result["usage"] = line
+                    text += line
+    except httpx.HTTPError as e:
+        error = e
+    started.set()
+    result.update(text=text, error=error)
+
+
+def replica_actor(replica_id: str):
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(f"SERVE_REPLICA::{APP}#") and a["name"].endswith(replica_id))
+    return ray.get_actor(name, namespace="serve")
+
+
+@pytest.mark.slow
+def test_killing_a_replica_ends_only_its_streams_and_keeps_the_engines(endpoint, ray_cluster):
+    _, _, plane = endpoint
+    pids = ray.get(plane.pids.remote())
+    (victim, a), (survivor, b) = replicas(ray_cluster).items()
+    runs = []
+    for url in (a, a, b, b):
+        started, result = threading.Event(), {}
+        thread = threading.Thread(target=stream_tokens, args=(url, f"stream to {url}", 300, started, result))
+        thread.start()
+        runs.append((url, started, result, thread))
+    for _, started, *_ in runs:
+        assert started.wait(60)
+    ray.kill(replica_actor(victim), no_restart=True)  # Serve's controller replaces it
+    for *_, thread in runs:
+        thread.join(timeout=120)
+    for url, _, result, _ in runs:
+        if url == a:
+            assert result["error"] is not None or "usage" not in result  # its stream ended early
+        else:
+            assert result["error"] is None and '"completion_tokens":300' in result["usage"].replace(" ", "")
+    # a replacement serves, over the very same engines
+    fresh = replicas(ray_cluster, other_than=frozenset({victim}))
+    assert survivor in fresh and len(fresh) == 2
+    [new] = set(fresh) - {survivor}
+    assert completion(fresh[new], prompt="after", max_tokens=3).json()["usage"]["completion_tokens"] == 3
+    assert ray.get(plane.pids.remote()) == pids
+
+
+@pytest.mark.slow
+def test_an_ingress_upgrade_keeps_the_engines(endpoint, ray_cluster):
+    """A redeploy that changes an ingress setting rolls the replicas, not the data plane."""
+    proxy, settings, plane = endpoint
+    pids = ray.get(plane.pids.remote())
+    before = frozenset(replicas(ray_cluster))
+    serve.run(build({**settings, "max_inflight": 100}), name=APP, route_prefix="/scale")
+    replicas(ray_cluster, other_than=before)  # two new replicas answer
+    assert ray.get(plane.pids.remote()) == pids  # the same rank processes
+    assert completion(proxy, prompt="z", max_tokens=2).json()["usage"]["completion_tokens"] == 2
