@@ -1,5 +1,6 @@
 """Deploy the endpoint from a Ray job:
 
+    export RAY_AUTH_MODE=token   # with the token Ray's head was started with (README: the whole sequence)
     ray job submit --working-dir . -- python deploy/job.py --config deploy/tiny-cpu.yaml
 
 It joins the cluster the job runs on, starts Ray Serve for the config's ingress (its HTTP proxy, or

@@ -19,7 +19,6 @@ from conftest import free_port
 from ray import serve
 
 from rackserve.engine import LLM, SamplingParams
-from rackserve.serve import ingress
 from rackserve.serve.app import REPLICA_HEADER, build, delete
 from rackserve.serve.config import ServeConfig
 from rackserve.serve.controller import NAMESPACE, data_plane_name

@@ -83,7 +83,7 @@ class DPRank(GangMember):
         """Keep `request_id`'s outputs for `consumer` (call under `_lock`)."""
         self._outputs[request_id] = []
         self._consumer[request_id] = consumer
-        self._polled.setdefault(consumer, time.monotonic())
+        self._polled[consumer] = time.monotonic()  # alive now: its pump polls from here on
 
     def _drop(self, request_id: str) -> None:
         self._outputs.pop(request_id, None)

@@ -255,8 +255,9 @@ class InstanceClient:
     def _pump(self, generation: int, rank: int, member) -> None:
         """The output pump of DP rank `rank` of gang `generation`: long-polls the rank for this
         client's outputs and puts each request's into its stream, until the gang fails (it then ends
-        the streams of the rank's requests with the owner's reason, after the restart), the gang is
-        replaced, or the client closes."""
+        the streams of the rank's requests with the owner's reason, after the restart), the client has
+        no request left there (a rank is polled only by the clients with requests on it), or the
+        client closes."""
         while not self._closed:
             try:
                 ready = ray.get(member.poll_all.remote(POLL_TIMEOUT_S, self.consumer))
@@ -273,6 +274,11 @@ class InstanceClient:
                     stream = self._streams.get(request_id)
                     if stream is not None and stream.generation == generation:
                         stream.put(outs)
+            # under `_lock`, as `_on_rank` registers a stream and starts a pump: none is missed
+            with self._lock, self._streams_lock:
+                if not any(s.generation == generation and s.rank == rank for s in self._streams.values()):
+                    self._pumps.discard((generation, rank))
+                    return
         with self._lock:
             self._pumps.discard((generation, rank))
 

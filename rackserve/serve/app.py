@@ -134,7 +134,8 @@ class OpenAIServer:
         self.replica = serve.get_replica_context().replica_id.unique_id
 
     def __del__(self):  # Serve stops the replica: its pumps go; its requests' ranks abort what it left
-        self.deployment.close()
+        if hasattr(self, "deployment"):
+            self.deployment.close()
 
     # ---- plain routes ------------------------------------------------------------------------------
     @app.get("/health")

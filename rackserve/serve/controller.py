@@ -12,7 +12,8 @@ the first one creates it and the rest (and any replica restarted later, or a rol
 ingress) attach to the same engines. Its name carries a digest of the settings that shape the data
 plane (model, instances, engine fields, stores, placement); a config that changes them gets a new
 data plane, which first shuts down the app's old one (its GPUs are needed). Settings of the ingress
-alone (port, API key, backpressure, replica count) keep it. `shutdown_data_planes(app)` stops them.
+alone (port, API key, backpressure, replica count) keep it. `shutdown_data_planes` stops an app's data
+planes at once; a data plane whose Serve app has been gone for `ORPHAN_S` stops itself.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
+import time
 
 import ray
 
@@ -31,16 +34,19 @@ from rackserve.serve.config import INGRESS_FIELDS, ServeConfig
 from rackserve.serve.router import RankKey
 
 HEALTH_TIMEOUT_S = 5.0
+ORPHAN_S = 30.0  # a data plane whose Serve app has been gone this long shuts itself down
 PLACEMENT_TIMEOUT_S = 300.0
 NAMESPACE = "rackserve"  # the data planes' Ray namespace, whatever namespace an ingress replica runs in
 
 
 class Controller:
-    def __init__(self, config: ServeConfig, name: str | None = None):
-        """The data plane of `config`; `name`: its actor name, when it runs as one (older data planes
-        of the same app are shut down first)."""
-        if name is not None:
-            shutdown_data_planes(name.rsplit("-", 1)[0], keep=name)
+    def __init__(self, config: ServeConfig, app: str | None = None):
+        """The data plane of `config`; `app`: the Serve app it serves, when it runs as that app's data plane
+        actor (older data planes of the app are shut down first, and this one shuts itself down once the
+        app is gone)."""
+        if app is not None:
+            shutdown_data_planes(f"rackserve-{app}", keep=data_plane_name(config, app))
+            threading.Thread(target=self._watch, args=(app,), daemon=True, name="data-plane-watch").start()
         self.config = config
         self.plan, self.groups = self._place(config) if config.topology else (None, None)
         self.deployment = Deployment(config.model, prefill=config.prefill, decode=config.decode,
@@ -124,6 +130,23 @@ class Controller:
         if self.groups:
             remove(self.groups)
 
+    def _watch(self, app: str) -> None:
+        """Shut down, and end this actor, once Serve has had no app `app` for `ORPHAN_S` (deleted, or
+        `serve shutdown`): a detached data plane must not hold its GPUs for an app nobody serves."""
+        from ray import serve
+
+        gone_since = None
+        while True:
+            time.sleep(ORPHAN_S / 3)
+            try:
+                present = app in serve.status().applications
+            except Exception:  # noqa: BLE001 - Serve's controller away for a moment: no verdict
+                continue
+            gone_since = None if present else (gone_since or time.monotonic())
+            if gone_since is not None and time.monotonic() - gone_since >= ORPHAN_S:
+                self.shutdown()
+                ray.kill(ray.get_runtime_context().current_actor)  # detached: nothing else ends it
+
 
 class RemoteDataPlane:
     """A data plane actor seen as a `DeploymentOwner`, for a `DeploymentClient` in another process."""
@@ -158,7 +181,7 @@ def data_plane(config: ServeConfig, app: str):
     actor = ray.remote(Controller).options(name=data_plane_name(config, app), namespace=NAMESPACE,
                                            lifetime="detached", get_if_exists=True, num_cpus=0,
                                            max_concurrency=256)
-    return actor.remote(config, data_plane_name(config, app))
+    return actor.remote(config, app)
 
 
 def shutdown_data_planes(app_prefix: str, keep: str | None = None) -> list[str]:
