@@ -121,8 +121,9 @@ class Instance:
 
     def _actor(self, i: int):
         cls = DPRank if i < self.dep else ExpertRank
-        # threads: a long-poll per client with requests on the rank (ingress replicas), calls besides
-        options = {"num_cpus": 0, "max_concurrency": 64, **self._actor_options}
+        # threads: a long-poll per client with requests on the rank (at most one per ingress replica;
+        # ~128 on a busy decode rank of the GB300 config), submits and wakes besides
+        options = {"num_cpus": 0, "max_concurrency": 192, **self._actor_options}
         if self._placement_group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._placement_group,
                                                                               placement_group_bundle_index=i)
