@@ -9,6 +9,8 @@ speculative rollback: tests/test_speculative.py.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -61,14 +63,18 @@ def run_chunked(model, state_dtype: str, lengths=LENGTHS, chunk: int = CHUNK) ->
 #
 # Bounds: fp8 within the yardstick's mean, fp8-fp4 (keys rounded 16× coarser) within 1.6× it; maxima
 # within 1.25× the yardstick's; greedy choices kept a few points under what was observed.
+@functools.cache
+def references(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint's logits with its state held as its dtype ("auto"), and computed wholly in bf16."""
+    return run_chunked(load_model(path), "auto")[0], run_chunked(load_model(path, dtype="bfloat16"), "auto")[0]
+
+
 @pytest.mark.parametrize("checkpoint", ["tiny_checkpoint", "published_fp4"])
 @pytest.mark.parametrize("state_dtype,mean_bound,min_agreement", [("fp8", 1.0, 0.92), ("fp8-fp4", 1.6, 0.88)])
 def test_logits_stay_within_the_bf16_yardstick(request, checkpoint, state_dtype, mean_bound, min_agreement):
     path = request.getfixturevalue(checkpoint)
-    model = load_model(path)
-    exact = run_chunked(model, "auto")[0]
-    logits = run_chunked(model, state_dtype)[0]
-    bf16 = run_chunked(load_model(path, dtype="bfloat16"), "auto")[0]
+    exact, bf16 = references(str(path))
+    logits = run_chunked(load_model(path), state_dtype)[0]
     err, yardstick = (logits - exact).abs(), (bf16.float() - exact).abs()
     agreement = (logits.argmax(-1) == exact.argmax(-1)).float().mean().item()
     assert err.mean() <= mean_bound * yardstick.mean(), (err.mean(), yardstick.mean())

@@ -3,21 +3,23 @@
     python -m rackserve.bench.ingress [--requests 256] [--concurrency 64] [--isl 16] [--osl 32]
                                       [--repeats 3] [--decode 1xDEP1] [--port 8000]
 
-Three deployments of one shape (the tiny model, one DEP1 prefill instance, one --decode instance,
-one KV store; engines with a large decode batch, `ENGINE`, so that --concurrency short streams keep
-them busy but not saturated) and three paths, each to its own:
+Two Serve apps, each with a data plane of one shape (the tiny model, one DEP1 prefill instance, one
+--decode instance, one KV store; engines with a large decode batch, `ENGINE`, so that --concurrency
+short streams keep them busy but not saturated), and three paths:
 
-* python: a `Deployment` in this process, driven like the HTTP server drives its own: `submit` in a
-  worker thread (`asyncio.to_thread`), then `astream`, on this process's event loop;
+* python: the Python API's request path (`DeploymentClient`, what `Deployment` routes and streams
+  with) in this process, over the http2 app's data plane, driven like the HTTP server drives its own:
+  `submit` in a worker thread (`asyncio.to_thread`), then `astream`, on this process's event loop;
+  the paths take turns, so sharing the engines costs neither;
 * http1: the Serve app (`rackserve.serve.app.build`, proxy ingress) with `num_ingress_replicas=1`,
   on route /ingress1 of Serve's HTTP proxy on 127.0.0.1:--port;
 * http2: the same with `num_ingress_replicas=2`, on route /ingress2; Serve's proxy spreads the
   requests over the two replicas (each answer names its replica in the `x-rackserve-replica`
   header: the table says how the requests split).
 
-A batch is --requests distinct seeded prompts of --isl token ids (the same for every path within a
-round, fresh ones every round; each path has engines and a KV store of its own, so no prefix cache
-helps), each generating --osl greedy tokens with EOS ignored, sent by --concurrency clients on one
+A batch is --requests distinct seeded prompts of --isl token ids (fresh ones every round and every
+path, so no prefix cache helps), each generating --osl greedy tokens with EOS ignored, sent by
+--concurrency clients on one
 event loop, each taking the next request when its last one ends. Over HTTP a client
 streams POST /v1/completions (`httpx.AsyncClient`, token ids as the prompt, `stream_options.
 include_usage`): every SSE `data:` line with a `choices` entry is a content chunk; the usage chunk
@@ -68,12 +70,14 @@ import ray
 from ray import serve
 
 from rackserve.actors.cluster import local_ray
-from rackserve.actors.deployment import Deployment
+from rackserve.actors.deployment_client import DeploymentClient
 from rackserve.bench.instance import workload
 from rackserve.bench.metrics import percentile
 from rackserve.engine import SamplingParams
 from rackserve.serve import ingress
 from rackserve.serve.app import REPLICA_HEADER, build, delete
+from rackserve.serve.config import ServeConfig
+from rackserve.serve.controller import NAMESPACE, RemoteDataPlane, data_plane_name
 
 SHAPE = {"model": "tiny", "prefill": "1xDEP1", "kv_stores": 1, "store_memory_mb": 16}
 ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "state_memory_mb": 64, "kv_pool_mb": 16}
@@ -100,7 +104,7 @@ def _params(osl: int) -> SamplingParams:
     return SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
 
 
-async def _python_request(dep: Deployment, prompt: list[int], osl: int) -> Result:
+async def _python_request(dep: DeploymentClient, prompt: list[int], osl: int) -> Result:
     """Stream one request through the Python API, as the server does (submit in a thread, then astream)."""
     first, chunks, tokens, error = None, 0, 0, None
     t0 = time.perf_counter()
@@ -167,11 +171,10 @@ async def run_batch(send: Sender, prompts: list[list[int]], concurrency: int) ->
             "replicas": Counter(r.replica for r in ok if r.replica is not None)}
 
 
-async def _measure(dep: Deployment, urls: dict[str, str], args) -> dict[str, dict]:
+async def _measure(dep: DeploymentClient, urls: dict[str, str], args) -> dict[str, dict]:
     """The warm-up batch of every path, then `args.repeats` rounds of one batch per path, in an order
     that rotates every round; per path its timed batches, and its requests per replica over all.
-    Each round's paths get the same prompts, new ones every round: each path has engines and a KV
-    store of its own, so none hits a prefix cache."""
+    Every batch gets prompts of its own (python and http2 share engines and a KV store)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     clients = {name: httpx.AsyncClient(base_url=url, timeout=600, limits=limits) for name, url in urls.items()}
     senders: dict[str, Sender] = {"python": lambda prompt: _python_request(dep, prompt, args.osl)}
@@ -188,8 +191,8 @@ async def _measure(dep: Deployment, urls: dict[str, str], args) -> dict[str, dic
             replicas[name] += warm["replicas"]
         order = list(senders)
         for r in range(args.repeats):
-            prompts = workload(args.requests, args.isl, seed=1 + r)
             for name in order[r % len(order):] + order[:r % len(order)]:
+                prompts = workload(args.requests, args.isl, seed=1 + r * len(order) + order.index(name))
                 batch = await run_batch(senders[name], prompts, args.concurrency)
                 replicas[name] += batch["replicas"]
                 batches[name].append(batch)
@@ -200,25 +203,25 @@ async def _measure(dep: Deployment, urls: dict[str, str], args) -> dict[str, dic
 
 
 def time_paths(args) -> tuple[dict[str, dict], dict[str, float]]:
-    """Start the two Serve apps and the Python API's `Deployment`, measure, and remove them all: the
-    measurements and how long each phase took (s)."""
+    """Start the two Serve apps, attach the Python API's request path to the http2 app's data plane,
+    measure, and remove them all: the measurements and how long each phase took (s)."""
     shape = {**SHAPE, "decode": args.decode}
     apps = {name: APP.format(n) for name, n in REPLICAS.items()}
     urls = {name: f"http://127.0.0.1:{args.port}/ingress{n}" for name, n in REPLICAS.items()}
     dep, times, t0 = None, {}, time.perf_counter()
     try:
-        # both apps start together (each replica's processes, then its data plane's); the Deployment
-        # after them: started alongside, it made the whole slower on 2 cores (Ray throttles how many
-        # worker processes start at once), 37 s against 25 s
-        targets = [serve.RunTarget(build({**shape, "engine": ENGINE, "ingress": "proxy", "num_ingress_replicas": n,
-                                          "max_inflight": max(256, args.concurrency)}),
-                                   name=apps[name], route_prefix=f"/ingress{n}") for name, n in REPLICAS.items()]
+        # both apps start together (each replica's processes, then its data plane's)
+        settings = {name: {**shape, "engine": ENGINE, "ingress": "proxy", "num_ingress_replicas": n,
+                           "max_inflight": max(256, args.concurrency)} for name, n in REPLICAS.items()}
+        targets = [serve.RunTarget(build(settings[name]), name=apps[name], route_prefix=f"/ingress{n}")
+                   for name, n in REPLICAS.items()]
         serve.run_many(targets, wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
         for url in urls.values():
             ingress.wait_until_serving(url, timeout=300)
         _wait_running(list(apps.values()))
-        dep = Deployment(shape["model"], prefill=shape["prefill"], decode=shape["decode"], kv_stores=shape["kv_stores"],
-                         engine_kwargs=ENGINE, store_memory_mb=shape["store_memory_mb"])
+        plane = ray.get_actor(data_plane_name(ServeConfig.from_dict(settings["http2"]), apps["http2"]),
+                              namespace=NAMESPACE)
+        dep = DeploymentClient(RemoteDataPlane(plane), name="bench")
         times["setup_s"] = time.perf_counter() - t0
         measured = asyncio.run(_measure(dep, urls, args))
         times["measure_s"] = time.perf_counter() - t0 - times["setup_s"]
@@ -227,9 +230,9 @@ def time_paths(args) -> tuple[dict[str, dict], dict[str, float]]:
         # each app and its data plane (`delete`, never `serve.delete` alone), side by side: each waits
         # for its replicas to stop
         with ThreadPoolExecutor(max_workers=len(apps)) as pool:
-            deleted = [pool.submit(delete, app) for app in apps.values()]
             if dep is not None:
-                dep.shutdown()
+                dep.close()
+            deleted = [pool.submit(delete, app) for app in apps.values()]
         for future in deleted:
             future.result()
         times["teardown_s"] = time.perf_counter() - t1
@@ -319,9 +322,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"{args.requests} requests per batch from {args.concurrency} concurrent clients, ISL {args.isl}, "
           f"OSL {args.osl}, greedy; {args.repeats} round(s) of one batch per path, medians over rounds")
-    print(f"tiny model, {SHAPE['prefill']} prefill + {args.decode} decode + {SHAPE['kv_stores']} KV store per path, "
+    print(f"tiny model, {SHAPE['prefill']} prefill + {args.decode} decode + {SHAPE['kv_stores']} KV store per app, "
           f"engine {ENGINE}; CPU, {os.cpu_count()} cores")
-    print("python = Deployment.submit + astream in this process; httpN = Serve's proxy -> N ingress replicas")
+    print("python = the Python API's submit + astream in this process (over http2's engines); httpN = Serve's "
+          "proxy -> N ingress replicas")
     print(f"setup {times['setup_s']:.1f} s, measuring {times['measure_s']:.1f} s, "
           f"teardown {times['teardown_s']:.1f} s\n")
     header = (f"{'path':<8} {'replicas':>8} {'tokens/s':>10} {'vs python':>9} {'TTFT p50':>9} {'p90':>9} "
