@@ -15,32 +15,33 @@ def test_two_routers_send_a_session_to_the_same_ranks():
     a, b = Router(DECODE, PREFILL), Router(DECODE, PREFILL)
     for i in range(200):
         session = f"chat-{i}"
-        assert a.route(session, 100, 20) == b.route(session, 100, 20)
+        assert a.decode_rank(session, 120) == b.decode_rank(session, 120)
+        assert a.prefill_rank(session, 100) == b.prefill_rank(session, 100)
         a.update({}), b.update({})  # fresh reports each time: only the hash decides
     # and the sessions spread over the ranks
-    spread = Counter(Router(DECODE, PREFILL).route(f"s{i}", 1, 1)[0] for i in range(400))
+    spread = Counter(Router(DECODE, PREFILL).decode_rank(f"s{i}", 2) for i in range(400))
     assert set(spread) == set(DECODE) and min(spread.values()) > 50
 
 
 def test_a_session_stays_put_until_its_rank_is_overloaded():
     router = Router(DECODE, PREFILL, slack=0.5)
-    home, _ = router.route("chat-7", 100, 100)
+    home = router.decode_rank("chat-7", 200)
     router.update({rank: {"tokens": 1000, "prefill_tokens": 0} for rank in DECODE})
-    assert router.route("chat-7", 100, 100)[0] == home  # balanced: where its history is
+    assert router.decode_rank("chat-7", 200) == home  # balanced: where its history is
     router.update({**{rank: {"tokens": 1000} for rank in DECODE}, home: {"tokens": 10_000}})
-    moved, _ = router.route("chat-7", 100, 100)
+    moved = router.decode_rank("chat-7", 200)
     assert moved != home  # far above the mean: the session's next rank takes it
     router.update({rank: {"tokens": 1000} for rank in DECODE})
-    assert router.route("chat-7", 100, 100)[0] == home  # and comes back once the load evens out
+    assert router.decode_rank("chat-7", 200) == home  # and comes back once the load evens out
 
 
 def test_requests_without_a_session_go_to_the_least_loaded_rank_and_a_burst_spreads():
     router = Router(DECODE, PREFILL)
     router.update({**{rank: {"tokens": 500, "prefill_tokens": 300} for rank in DECODE + PREFILL},
                    DECODE[2]: {"tokens": 10, "prefill_tokens": 0}, PREFILL[1]: {"tokens": 0, "prefill_tokens": 5}})
-    assert router.route(None, 100, 10) == (DECODE[2], PREFILL[1])
+    assert (router.decode_rank(None, 110), router.prefill_rank(None, 100)) == (DECODE[2], PREFILL[1])
     # between two reports, what this router sent counts: a burst does not pile onto one rank
-    burst = Counter(router.route(None, 100, 100)[0] for _ in range(40))
+    burst = Counter(router.decode_rank(None, 200) for _ in range(40))
     assert len(burst) == len(DECODE)
     assert router.load("decode", DECODE[0]) == 500 + 200 * burst[DECODE[0]]
 
@@ -50,7 +51,8 @@ def test_10000_sessions_leave_the_router_as_small_as_its_ranks():
     number of sessions that passed through it."""
     router = Router(DECODE, PREFILL)
     for i in range(10_000):
-        router.route(f"user-{i}", 64, 16)
+        router.decode_rank(f"user-{i}", 80)
+        router.prefill_rank(f"user-{i}", 64)
         if i % 100 == 0:
             router.update({rank: {"tokens": i, "prefill_tokens": i} for rank in DECODE + PREFILL})
     assert router.size <= 2 * len(DECODE + PREFILL)

@@ -111,7 +111,7 @@ class DeploymentClient:
             raise ValueError("this model has no tokenizer.json; send token ids instead of text")
         request_id = f"{self.name}-{secrets.token_hex(5)}"
         with self._lock:
-            decode_at, prefill_at = self.router.route(session, len(ids), params.max_tokens)
+            decode_at = self.router.decode_rank(session, len(ids) + params.max_tokens)
             route = self._routes[request_id] = _Route(decode_at, None)
         try:
             _, reservation = self.decode[decode_at[0]].reserve(ids, params, request_id, rank=decode_at[1])
@@ -119,9 +119,10 @@ class DeploymentClient:
             with self._lock:
                 self._routes.pop(request_id, None)
             raise
-        if reservation is not None and prefill_at is not None:
+        if reservation is not None and self.prefill:
             hit = self._lookup(decode_at, ids)
-            route.prefill = prefill_at
+            with self._lock:  # chosen once it is known to be needed, for what it will prefill
+                prefill_at = route.prefill = self.router.prefill_rank(session, len(ids) - (hit[0] if hit else 0))
             # a prefill instance found dead here restarts and takes it; if it cannot, the decode
             # rank's reservation expires and it prefills the request itself
             try:

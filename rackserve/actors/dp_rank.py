@@ -34,6 +34,7 @@ class DPRank(GangMember):
         self._inbox: list[tuple] = []
         self._outputs: dict[str, list[dict]] = {}  # request id -> outputs not yet polled
         self._consumer: dict[str, str] = {}  # request id -> the consumer that polls for it
+        self._ready: dict[str, set[str]] = {}  # consumer -> its requests with outputs to take
         self._polled: dict[str, float] = {}  # consumer -> when it last polled (time.monotonic())
         self._load = {"requests": 0, "tokens": 0, "prefill_tokens": 0}
 
@@ -87,7 +88,13 @@ class DPRank(GangMember):
 
     def _drop(self, request_id: str) -> None:
         self._outputs.pop(request_id, None)
-        self._consumer.pop(request_id, None)
+        self._ready.get(self._consumer.pop(request_id, None), set()).discard(request_id)
+
+    def _emit(self, request_id: str, out: dict) -> None:
+        """Keep `out` for the consumer of `request_id`, if someone polls for it (call under `_lock`)."""
+        if request_id in self._outputs:
+            self._outputs[request_id].append(out)
+            self._ready.setdefault(self._consumer[request_id], set()).add(request_id)
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: dict, push_to: list | None = None,
@@ -118,16 +125,13 @@ class DPRank(GangMember):
         outputs, in order, a finished request's last (it is then forgotten); waits up to `timeout` s
         for any. One caller per consumer: its output pump for this rank, so that a request waiting for
         its state or its turn holds no actor thread."""
-        def mine() -> dict[str, list[dict]]:
-            return {r: outs for r, outs in self._outputs.items() if outs and self._consumer.get(r) == consumer}
-
         with self._lock:
             self._polled[consumer] = time.monotonic()
-            self._lock.wait_for(lambda: self.error or mine(), timeout)
+            self._lock.wait_for(lambda: self.error or self._ready.get(consumer), timeout)
             self._polled[consumer] = time.monotonic()
             if self.error:
                 raise RuntimeError(self.error)
-            ready = mine()
+            ready = {r: self._outputs[r] for r in self._ready.pop(consumer, ())}
             for request_id, outs in ready.items():
                 if outs[-1]["finished"]:
                     self._drop(request_id)
@@ -151,6 +155,7 @@ class DPRank(GangMember):
             self._drop(request_id)
         for consumer in gone:
             del self._polled[consumer]
+            self._ready.pop(consumer, None)
 
     # ---- the step loop ---------------------------------------------------------------------------
     def _step(self) -> bool:
@@ -159,8 +164,7 @@ class DPRank(GangMember):
         load = self.engine.load()
         with self._lock:
             for out in outputs:
-                if out.request_id in self._outputs:
-                    self._outputs[out.request_id].append(asdict(out))
+                self._emit(out.request_id, asdict(out))
             self._load = load
             self._abort_orphans()
             self._lock.notify_all()
@@ -178,9 +182,8 @@ class DPRank(GangMember):
                     self.engine.add_request(prompt, sampling, request_id=request_id, **extra)
                 except ValueError as e:
                     with self._lock:
-                        self._outputs.get(request_id, []).append({"request_id": request_id, "finished": True,
-                                                          "finish_reason": "error", "error": str(e),
-                                                          "new_text": "", "new_token_ids": []})
+                        self._emit(request_id, {"request_id": request_id, "finished": True, "finish_reason": "error",
+                                                "error": str(e), "new_text": "", "new_token_ids": []})
             else:
                 self.engine.abort(item[1])
 

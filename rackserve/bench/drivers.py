@@ -23,9 +23,10 @@ greedy with EOS ignored, so it generates exactly its turn's `max_tokens`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from rackserve.bench.metrics import Record
 from rackserve.bench.workload import Session
@@ -82,17 +83,8 @@ class HTTPDriver:
         first = last = None
         text, usage, error = "", {}, None
         try:
-            async with self.http.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-                async for line in response.aiter_lines():
-                    now = time.perf_counter()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("error"):
-                        raise RuntimeError(chunk["error"].get("message", chunk["error"]))
+            async with completion_stream(self.http, body) as (_, stream):
+                async for now, chunk in stream:
                     if chunk.get("choices"):
                         first, last = first or now, now
                         text += chunk["choices"][0]["text"]
@@ -107,6 +99,29 @@ class HTTPDriver:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+@contextlib.asynccontextmanager
+async def completion_stream(http, body: dict):
+    """POST a streaming /v1/completions `body` with `http` (an `httpx.AsyncClient`): (the response's
+    headers, an async iterator of (arrival time on `time.perf_counter`, chunk) per SSE data line but
+    [DONE]). Raises `RuntimeError` for a status other than 200 and for an error chunk."""
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+
+        async def chunks() -> AsyncIterator[tuple[float, dict]]:
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    raise RuntimeError(chunk["error"].get("message", chunk["error"]))
+                yield now, chunk
+
+        yield response.headers, chunks()
 
 
 def _record(t_send: float, first: float | None, last: float | None, prompt_tokens: int, cached: int,

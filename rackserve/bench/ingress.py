@@ -71,6 +71,7 @@ from ray import serve
 
 from rackserve.actors.cluster import local_ray
 from rackserve.actors.deployment_client import DeploymentClient
+from rackserve.bench.drivers import completion_stream
 from rackserve.bench.instance import workload
 from rackserve.bench.metrics import percentile
 from rackserve.engine import SamplingParams
@@ -130,18 +131,9 @@ async def _http_request(http: httpx.AsyncClient, prompt: list[int], osl: int) ->
     first, chunks, tokens, replica, error = None, 0, 0, None, None
     t0 = time.perf_counter()
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-            replica = response.headers.get(REPLICA_HEADER)
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("error"):
-                    raise RuntimeError(chunk["error"].get("message", chunk["error"]))
+        async with completion_stream(http, body) as (headers, stream):
+            replica = headers.get(REPLICA_HEADER)
+            async for now, chunk in stream:
                 if chunk.get("choices"):
                     first, chunks = first or now, chunks + 1
                 if chunk.get("usage"):

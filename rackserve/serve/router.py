@@ -5,7 +5,8 @@ so N replicas route alike without talking to each other:
 
 * **Loads** are the ranks' own reports (`DPRank.load`, gathered by the data plane a few times a
   second and fetched by each router: `update`), plus what this router has sent to a rank since the
-  last report (`route`), so a burst between two reports spreads instead of piling onto one rank.
+  last report (`decode_rank`, `prefill_rank`), so a burst between two reports spreads instead of
+  piling onto one rank.
   A decode rank's load is the tokens of state it holds or will (prompt + output so far, pushes on
   their way); a prefill rank's, the prompt tokens it has yet to prefill.
 * **Affinity.** A request of a session goes to the rank with the highest rendezvous hash of (session,
@@ -40,11 +41,14 @@ class Router:
         self._reported = dict(loads)
         self._sent.clear()
 
-    def route(self, session: str | None, prompt_tokens: int, max_tokens: int) -> tuple[RankKey, RankKey | None]:
-        """(decode rank, prefill rank or None without prefill ranks) for a request, counted as sent."""
-        decode = self._pick("decode", self.decode, session, prompt_tokens + max_tokens)
-        prefill = self._pick("prefill", self.prefill, session, prompt_tokens) if self.prefill else None
-        return decode, prefill
+    def decode_rank(self, session: str | None, tokens: int) -> RankKey:
+        """The decode rank for a request whose state will hold up to `tokens` tokens, counted as sent."""
+        return self._pick("decode", self.decode, session, tokens)
+
+    def prefill_rank(self, session: str | None, prompt_tokens: int) -> RankKey | None:
+        """The prefill rank for a prompt of `prompt_tokens` tokens to prefill, counted as sent; None
+        without prefill ranks."""
+        return self._pick("prefill", self.prefill, session, prompt_tokens) if self.prefill else None
 
     def load(self, role: str, rank: RankKey) -> int:
         """The load this router sees on `rank` (reported + sent since)."""
