@@ -134,14 +134,20 @@ class Controller:
         """Shut down, and end this actor, once Serve has had no app `app` for `ORPHAN_S` (deleted, or
         `serve shutdown`): a detached data plane must not hold its GPUs for an app nobody serves."""
         from ray import serve
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
         gone_since = None
         while True:
             time.sleep(ORPHAN_S / 3)
             try:
-                present = app in serve.status().applications
-            except Exception:  # noqa: BLE001 - Serve's controller away for a moment: no verdict
-                continue
+                ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+            except ValueError:  # no Serve at all (`serve shutdown`): no app either
+                present = False
+            else:
+                try:
+                    present = app in serve.status().applications
+                except Exception:  # noqa: BLE001 - Serve's controller away for a moment: no verdict
+                    continue
             gone_since = None if present else (gone_since or time.monotonic())
             if gone_since is not None and time.monotonic() - gone_since >= ORPHAN_S:
                 self.shutdown()
