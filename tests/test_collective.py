@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from conftest import free_port
 from rackserve.collective import CollectiveError, Communicator, RendezvousServer, codec, handshake
 from rackserve.collective.schedule import broadcast_steps, core_size, doubling_steps, neighbours
 from rackserve.collective.wire import Connection, encode_header, listen
@@ -196,10 +197,9 @@ def test_single_member_and_argument_errors():
 
 
 def test_member_with_another_secret_is_refused_with_a_clear_error():
-    # Self-binding members (no rendezvous): rank 1 listens on a fixed free port.
-    with listen() as probe:
-        port = probe.getsockname()[1]
-    peers = [("127.0.0.1", 0), ("127.0.0.1", port)]
+    # Self-binding members (no rendezvous): rank 1 listens on a fixed free port (below the kernel's
+    # ephemeral range, where an outgoing connection could take it first).
+    peers = [("127.0.0.1", 0), ("127.0.0.1", free_port())]
     errors = {}
 
     def member(rank, secret):

@@ -3,13 +3,14 @@
 requests arriving at different times, with EPLB re-placing skewed experts mid-generation; an idle
 gang does not spin; many concurrent streams each get their tokens as they are made; a killed member
 fails the requests in flight with an error naming it and the gang restarts; bad configuration fails
-at creation."""
+at creation; a gang that cannot start leaves no actors behind."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import os
+import shutil
 import signal
 import time
 
@@ -208,3 +209,25 @@ def assert_member_death_is_survived(inst: Instance, member: int, name: str, chec
 def test_bad_configuration_fails_at_creation_naming_the_fix(tiny_checkpoint, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         Instance(**{"model": tiny_checkpoint, **kwargs})  # fails before any actor exists: no Ray needed
+
+
+def _alive_ranks() -> int:
+    from ray.util.state import list_actors
+
+    return len(list_actors(filters=[("class_name", "=", "DPRank"), ("state", "=", "ALIVE")], limit=10_000))
+
+
+def test_a_gang_that_cannot_start_names_the_cause_and_leaves_no_actors(ray_cluster, tiny_checkpoint, tmp_path):
+    """Members that fail to load (a truncated weights file) fail the start with the loader's message, and
+    every member is killed: a failed start must not hold its ranks (their GPUs, their placement group),
+    even while the error is kept (its traceback holds the half-built instance, as a test report does)."""
+    broken = shutil.copytree(tiny_checkpoint, tmp_path / "broken")
+    [weights] = broken.glob("*.safetensors")
+    os.truncate(weights, weights.stat().st_size // 2)
+    before = _alive_ranks()
+    with pytest.raises(Exception, match="file is truncated or not safetensors") as kept:
+        Instance(broken, dep=2)
+    deadline = time.monotonic() + 30
+    while _alive_ranks() > before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive_ranks() == before, kept.traceback

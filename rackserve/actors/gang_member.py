@@ -34,7 +34,8 @@ class GangSpec:
 
     phy2log: `[num_layers][num_slots]` the logical expert of every physical slot, a row per MoE
     layer (main layers, then MTP layers; see `DeepseekV4ForCausalLM.shard_experts`); expert_ranks:
-    (first, stop) the gang ranks holding slots, `slots_per_rank` each; timeout (s): how long a
+    (first, stop) the gang ranks holding slots, `slots_per_rank` each; store_at: (host, port) of rank
+    0's TCP store, the expert-parallel process group's rendezvous; timeout (s): how long a
     peer may stay silent before a member gives up on the gang; kv_name: when set, DP ranks get a
     NIXL agent named `<kv_name>-r<rank>` for disaggregated prefill/decode.
     """
@@ -44,7 +45,7 @@ class GangSpec:
     phy2log: list[list[int]]
     slots_per_rank: int
     expert_ranks: tuple[int, int]
-    dist_url: str
+    store_at: tuple[str, int]
     rendezvous_at: tuple[str, int]
     secret: str
     timeout: float
@@ -61,20 +62,24 @@ class GangMember:
         self._stop = False
         self.error: str | None = None
         self.gang = None
+        self._store: dist.TCPStore | None = None
 
-    def endpoint(self) -> tuple[str, int]:
-        """A (host, free port) for the expert-parallel process group's rendezvous (rank 0's is used)."""
+    def endpoint(self, timeout: float) -> tuple[str, int]:
+        """Start the expert-parallel process group's rendezvous here (rank 0 does): a TCP store on a
+        port the kernel picks, held open from now on; its (host, port). Holding it matters: a port
+        found free and closed again can be taken (e.g. by an outgoing connection) before it is bound."""
         host = socket.gethostbyname(socket.gethostname())
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, timeout=timedelta(seconds=timeout),
+                                    wait_for_workers=False)
+        return host, self._store.port
 
     def _join(self, spec: GangSpec) -> tuple[DeepseekV4ForCausalLM, EngineConfig]:
         """Join both groups; load the model holding (and reading) only this rank's expert slots."""
         config = EngineConfig(**spec.engine_kwargs)
-        dist.init_process_group("nccl" if config.device.startswith("cuda") else "gloo", init_method=spec.dist_url,
-                                rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=spec.timeout))
+        timeout = timedelta(seconds=spec.timeout)
+        store = self._store or dist.TCPStore(*spec.store_at, self.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("nccl" if config.device.startswith("cuda") else "gloo", store=store,
+                                rank=self.rank, world_size=self.world_size, timeout=timeout)
         self.gang = join(tuple(spec.rendezvous_at), self.rank, self.world_size, spec.secret, timeout=spec.timeout)
         ep = ExpertParallel(spec.slots_per_rank, expert_ranks=range(*spec.expert_ranks))
         model = load_model(spec.checkpoint, dtype=config.dtype, device=config.device, weights=config.weights,

@@ -112,12 +112,16 @@ class Instance:
         secret = secrets.token_hex(16)
         self._server = RendezvousServer(self.world, secret)
         self.members = [self._actor(i).remote(i, self.world) for i in range(self.world)]
-        host, port = ray.get(self.members[0].endpoint.remote())
-        holders = (self.dep, self.world) if self.num_expert_ranks else (0, self.dep)
-        spec = GangSpec(self.path, self._engine_kwargs, self._layout, self.slots_per_rank, holders,
-                        f"tcp://{host}:{port}", self._server.address, secret, self.timeout,
-                        kv_name=f"{self.name}-{secret[:8]}" if self._kv else None)
-        ray.get([m.setup.remote(spec) for m in self.members])
+        try:
+            store_at = ray.get(self.members[0].endpoint.remote(self.timeout))
+            holders = (self.dep, self.world) if self.num_expert_ranks else (0, self.dep)
+            spec = GangSpec(self.path, self._engine_kwargs, self._layout, self.slots_per_rank, holders,
+                            tuple(store_at), self._server.address, secret, self.timeout,
+                            kv_name=f"{self.name}-{secret[:8]}" if self._kv else None)
+            ray.get([m.setup.remote(spec) for m in self.members])
+        except BaseException:
+            self._kill()  # a gang that did not start holds no actors (nor their resources) either
+            raise
 
     def _actor(self, i: int):
         cls = DPRank if i < self.dep else ExpertRank

@@ -46,7 +46,7 @@ def _timed(call, iters: int) -> list[int]:
 
 
 def _member(address, rank: int, world: int, secret: str, iters: int, warmup: int,
-            gloo_port: int, results) -> None:
+            store_port: int, results) -> None:
     """One process of the group: time every payload with ours and with Gloo, alternating in
     blocks so both see the same background load (this host is shared)."""
     from datetime import timedelta
@@ -57,8 +57,8 @@ def _member(address, rank: int, world: int, secret: str, iters: int, warmup: int
     torch.set_num_threads(1)  # few cores: no intra-op threads fighting the members
     times = {}
     with join(tuple(address), rank, world, secret, timeout=120) as comm:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=120))
+        store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
         for name, array in payloads(world).items():
             tensor = torch.from_numpy(array.copy())
             calls = {"ours": partial(comm.allreduce, array), "gloo": partial(dist.all_reduce, tensor)}
@@ -73,20 +73,19 @@ def _member(address, rank: int, world: int, secret: str, iters: int, warmup: int
     results.put((rank, times))
 
 
-def _free_port() -> int:
-    with listen() as sock:
-        return sock.getsockname()[1]
-
-
 def run_group(world: int, iters: int, warmup: int) -> dict[str, tuple[float, float]]:
     """{"ours <payload>" / "gloo <payload>": (p50 us, p99 us)} for one group size."""
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     secret = secrets.token_hex(16)
     with RendezvousServer(world, secret, timeout=300) as server:
-        gloo_port = _free_port()
+        # Gloo's rendezvous: a store held open on a port the kernel picks (a port found free and
+        # closed again may be taken before the members bind it)
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
         procs = [ctx.Process(target=_member, args=(server.address, r, world, secret, iters, warmup,
-                                                   gloo_port, results), daemon=True)
+                                                   store.port, results), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()

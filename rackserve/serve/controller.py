@@ -49,13 +49,18 @@ class Controller:
             threading.Thread(target=self._watch, args=(app,), daemon=True, name="data-plane-watch").start()
         self.config = config
         self.plan, self.groups = self._place(config) if config.topology else (None, None)
-        self.deployment = Deployment(config.model, prefill=config.prefill, decode=config.decode,
-                                     kv_stores=0 if self.plan else config.kv_stores, engine_kwargs=config.engine,
-                                     store_memory_mb=config.store_memory_mb, timeout=config.timeout,
-                                     decode_redundant_slots=config.decode_redundant_slots, plan=self.plan,
-                                     placement_groups=self.groups, bundle_resources=config.bundle_resources,
-                                     prefill_engine_kwargs=config.prefill_engine,
-                                     decode_engine_kwargs=config.decode_engine)
+        try:
+            self.deployment = Deployment(
+                config.model, prefill=config.prefill, decode=config.decode,
+                kv_stores=0 if self.plan else config.kv_stores, engine_kwargs=config.engine,
+                store_memory_mb=config.store_memory_mb, timeout=config.timeout,
+                decode_redundant_slots=config.decode_redundant_slots, plan=self.plan, placement_groups=self.groups,
+                bundle_resources=config.bundle_resources, prefill_engine_kwargs=config.prefill_engine,
+                decode_engine_kwargs=config.decode_engine)
+        except BaseException:
+            if self.groups:
+                remove(self.groups)  # a data plane that did not start reserves nothing
+            raise
         model = ModelConfig.from_pretrained(self.deployment.path)
         self.vocab_size = model.vocab_size
         self.max_model_len = min(EngineConfig(**{**config.engine, **role}).resolve(model).max_model_len
