@@ -8,7 +8,7 @@ import sys
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from rackserve.model.tiny import make_tiny
+    from rackserve.models.deepseek_v4.tiny import make_tiny
 
     path = make_tiny(args.dir, seed=args.seed, hot_experts=args.hot_experts, fmt=args.format, quant=args.quant,
                      scale_fmt=args.scale_fmt)
@@ -54,8 +54,8 @@ def _memory(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rackserve.bench.sim.hardware import PRESETS
-    from rackserve.config import ModelConfig
-    from rackserve.model.memory import (
+    from rackserve.models.deepseek_v4.config import ModelConfig
+    from rackserve.models.deepseek_v4.memory import (
         PRECISIONS,
         PUBLISHED_STATE_BYTES_PER_TOKEN,
         format_report,

@@ -22,10 +22,10 @@ if not torch.cuda.is_available():
     # first imported: switch it on before anything imports triton (auto dispatch still uses torch).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from rackserve.config import CSA, HCA, SLIDING  # noqa: E402
+from rackserve.models.deepseek_v4.config import CSA, HCA, SLIDING  # noqa: E402
 from rackserve.engine.state_cache import CacheHandle, StateCache
-from rackserve.model import ForwardBatch, load_model
-from rackserve.model.tiny import make_tiny
+from rackserve.models.deepseek_v4 import ForwardBatch, load_model
+from rackserve.models.deepseek_v4.tiny import make_tiny
 
 # index_topk = 128 ≥ every visible CSA entry count in these tests (≤ 364 tokens / 4), so the
 # indexer keeps every complete entry and the reference's tie-breaking cannot matter (DESIGN.md).

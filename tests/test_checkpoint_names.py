@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rackserve.config import ModelConfig
-from rackserve.model.checkpoint_names import Target, ours, published
-from rackserve.model.loader import build_model
-from rackserve.model.tiny import TINY_CONFIG
+from rackserve.models.deepseek_v4.config import ModelConfig
+from rackserve.models.deepseek_v4.checkpoint_names import Target, ours, published
+from rackserve.models.deepseek_v4.loader import build_model
+from rackserve.models.deepseek_v4.tiny import TINY_CONFIG
 
 # (DeepSeek's name, ours): one line per rule of the table, main layers and MTP layers
 RULES = [

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from rackserve.config import CSA, HCA, SLIDING, ConfigError, ModelConfig
-from rackserve.model.tiny import TINY_CONFIG
+from rackserve.config import ConfigError
+from rackserve.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
+from rackserve.models.deepseek_v4.tiny import TINY_CONFIG
 
 LEGACY = {
     **{k: v for k, v in TINY_CONFIG.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates",

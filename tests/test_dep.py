@@ -10,9 +10,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import assert_same_tokens, free_port, new_state, prompt, step
-from rackserve.config import ModelConfig
-from rackserve.model import load_model
-from rackserve.model.memory import weight_bytes
+from rackserve.models.deepseek_v4.config import ModelConfig
+from rackserve.models.deepseek_v4 import load_model
+from rackserve.models.deepseek_v4.memory import weight_bytes
 from rackserve.placement import rebalance
 from rackserve.transfer.ep import ExpertParallel
 

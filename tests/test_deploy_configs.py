@@ -9,7 +9,8 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from rackserve.config import ConfigError, EngineConfig, ModelConfig
+from rackserve.config import ConfigError, EngineConfig
+from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
 from rackserve.serve.config import BUILDER, ServeConfig
 from rackserve.serve.ingress import check_direct_ingress, direct_ingress_env

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from rackserve.engine.detokenizer import IncrementalDetokenizer
-from rackserve.model.tiny import make_tiny
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models.deepseek_v4.tiny import make_tiny
+from rackserve.models.tokenizer import Tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_same_tokens, prompt
 from rackserve.config import EngineConfig
 from rackserve.engine import LLM, Engine, SamplingParams
-from rackserve.model import load_model
+from rackserve.models.deepseek_v4 import load_model
 from rackserve.transfer.kv import KVAgent, TransferError
 
 _names = itertools.count()

@@ -12,7 +12,7 @@ import torch
 
 from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt
 from rackserve.engine import LLM, RequestError, SamplingParams
-from rackserve.model.tiny import make_tiny
+from rackserve.models.deepseek_v4.tiny import make_tiny
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -66,8 +66,8 @@ def test_continuous_batching_matches_the_reference(checkpoint, reference):
 
 
 def _bytes_for(llm_kwargs: dict, checkpoint, pages: int) -> float:
-    from rackserve.config import ModelConfig
-    from rackserve.model.state import ModelState
+    from rackserve.models.deepseek_v4.config import ModelConfig
+    from rackserve.models.deepseek_v4.state import ModelState
 
     config = ModelConfig.from_pretrained(checkpoint)
     probe = ModelState(config, 1, 1, llm_kwargs["block_size"], device="meta")

@@ -21,7 +21,7 @@ from conftest import assert_same_tokens, prompt, settled_stats
 from rackserve.actors.instance import Instance, InstanceError
 from rackserve.config import ConfigError
 from rackserve.engine import LLM, SamplingParams
-from rackserve.model.tiny import make_tiny
+from rackserve.models.deepseek_v4.tiny import make_tiny
 from rackserve.placement import InstanceGroup, PlacementSpec, plan
 from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import free_port
 
 from rackserve.actors.cluster import WORKER_ENV
-from rackserve.model.tiny import default_cache_dir
+from rackserve.models.deepseek_v4.tiny import default_cache_dir
 from rackserve.serve.ingress import direct_ingress_env
 
 ROOT = Path(__file__).resolve().parent.parent

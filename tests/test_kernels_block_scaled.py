@@ -207,7 +207,7 @@ def test_grouped_fp8_linear_matches_reference(num_tokens, dtype):
 
 @pytest.mark.parametrize("rows_per_group", [32, 16])  # whole scale blocks per group; blocks straddling groups
 def test_grouped_linear_of_a_quantized_module_equals_the_dense_one(rows_per_group):
-    from rackserve.model.quantized import FP8Linear, grouped_linear
+    from rackserve.models.deepseek_v4.quantized import FP8Linear, grouped_linear
 
     groups, k = 2, 64
     g = generator(f"grouped-module-{rows_per_group}")

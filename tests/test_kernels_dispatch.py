@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import new_state, prompt, step
-from rackserve.config import CSA, HCA, SLIDING
+from rackserve.models.deepseek_v4.config import CSA, HCA, SLIDING
 from rackserve.kernels import dispatch
-from rackserve.model import load_model
-from rackserve.model.tiny import make_tiny
+from rackserve.models.deepseek_v4 import load_model
+from rackserve.models.deepseek_v4.tiny import make_tiny
 
 
 def test_backend_choice(monkeypatch):

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import new_state, prompt, step
-from rackserve.model import CheckpointError, load_model
+from rackserve.models.deepseek_v4 import CheckpointError, load_model
 
 
 @pytest.fixture

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from rackserve.cli import main as cli
-from rackserve.config import ConfigError, EngineConfig, ModelConfig, QuantConfig
-from rackserve.model import load_model
-from rackserve.model.memory import weight_bytes
-from rackserve.model.tiny import TINY_FP8_BLOCK, make_tiny
+from rackserve.config import ConfigError, EngineConfig
+from rackserve.models.deepseek_v4.config import ModelConfig, QuantConfig
+from rackserve.models.deepseek_v4 import load_model
+from rackserve.models.deepseek_v4.memory import weight_bytes
+from rackserve.models.deepseek_v4.tiny import TINY_FP8_BLOCK, make_tiny
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8", "fp4"])

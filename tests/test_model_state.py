@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import new_state, prompt, step
-from rackserve.config import CSA
-from rackserve.model import ForwardBatch, load_model
+from rackserve.models.deepseek_v4.config import CSA
+from rackserve.models.deepseek_v4 import ForwardBatch, load_model
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_indexer_keeps_the_top_k_and_breaks_ties_by_lowest_index(tiny):
         chosen, valid = indexer.select(x, q_residual, batch.positions, plan, keys, rotary)
 
         # brute force, one token and one entry at a time
-        from rackserve.model.rope import apply_rope
+        from rackserve.models.deepseek_v4.rope import apply_rope
         heads, dim = indexer.heads, indexer.dim
         q = indexer.q_b_proj(q_residual).view(10, heads, dim)
         q = apply_rope(q, *rotary.cos_sin(batch.positions, q.dtype))

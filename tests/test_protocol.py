@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from rackserve.engine import SamplingParams
-from rackserve.model.tiny import ensure_tiny
-from rackserve.model.tokenizer import CHAT_TEMPLATE, Tokenizer
+from rackserve.models.deepseek_v4.tiny import ensure_tiny
+from rackserve.models.tokenizer import CHAT_TEMPLATE, Tokenizer
 from rackserve.serve.protocol import (
     MAX_BODY_BYTES,
     SSE_DONE,

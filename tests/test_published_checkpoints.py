@@ -12,11 +12,12 @@ from safetensors.torch import load_file, save_file
 
 from conftest import new_state, prompt, step
 from rackserve.cli import main as cli
-from rackserve.config import ConfigError, ModelConfig
+from rackserve.config import ConfigError
+from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.engine import LLM, SamplingParams
-from rackserve.model import CheckpointError, load_model
-from rackserve.model.quantized import FP8Linear
-from rackserve.model.tiny import TINY_CONFIG, make_tiny
+from rackserve.models.deepseek_v4 import CheckpointError, load_model
+from rackserve.models.deepseek_v4.quantized import FP8Linear
+from rackserve.models.deepseek_v4.tiny import TINY_CONFIG, make_tiny
 
 # ≤ 4 × index_topk tokens: every compressed entry is selected, so the reference agrees with itself (DESIGN.md)
 IDS = prompt(30, seed=3)

@@ -16,10 +16,11 @@ import torch
 
 from conftest import assert_same_tokens, new_state, prompt
 from rackserve.actors.deployment import Deployment
-from rackserve.config import HCA, ConfigError
+from rackserve.config import ConfigError
+from rackserve.models.deepseek_v4.config import HCA
 from rackserve.engine import LLM, SamplingParams
 from rackserve.kernels import dispatch
-from rackserve.model import ForwardBatch, load_model
+from rackserve.models.deepseek_v4 import ForwardBatch, load_model
 
 LENGTHS = (300, 137, 64, 211)  # ragged; 300 tokens cross 75 CSA and 18 HCA boundaries of the tiny model
 CHUNK = 8  # tokens per request per step: every window and carry is read back from the state many times

@@ -18,7 +18,7 @@ from conftest import free_port
 from ray import serve
 
 from rackserve.engine import LLM, SamplingParams
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models.tokenizer import Tokenizer
 from rackserve.serve import ingress
 from rackserve.serve.app import build, delete
 

@@ -63,7 +63,7 @@ def test_model_shape_matches_the_model():
     shape = ModelShape.from_config(v4_flash())
     assert shape.num_params == pytest.approx(284e9, rel=0.01)  # the published V4-Flash size
     transformers = pytest.importorskip("transformers")
-    from rackserve.config import ModelConfig
+    from rackserve.models.deepseek_v4.config import ModelConfig
 
     assert ModelConfig.from_dict(transformers.DeepseekV4Config().to_dict()) == v4_flash()
 

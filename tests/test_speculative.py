@@ -9,13 +9,14 @@ import pytest
 import torch
 from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt
 
-from rackserve.config import CSA, HCA, ConfigError, EngineConfig, ModelConfig
+from rackserve.config import ConfigError, EngineConfig
+from rackserve.models.deepseek_v4.config import CSA, HCA, ModelConfig
 from rackserve.engine import LLM, SamplingParams
 from rackserve.engine.sampling import SamplingBatch, sample
 from rackserve.engine.state_cache import StateCache
-from rackserve.model import ForwardBatch, load_model
-from rackserve.model.rollback import Rollback
-from rackserve.model.tiny import make_tiny
+from rackserve.models.deepseek_v4 import ForwardBatch, load_model
+from rackserve.models.deepseek_v4.rollback import Rollback
+from rackserve.models.deepseek_v4.tiny import make_tiny
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # prompt length, max_tokens, arrival step: ragged, with prompts and outputs across many window
@@ -148,7 +149,7 @@ def test_undoing_every_draft_restores_quantised_state_byte_for_byte(checkpoint):
     unquantised state: their differently shaped computations differ in the last bits, which an FP8
     rounding boundary can turn into one code step.)"""
     model = load_model(checkpoint)
-    cache = StateCache(model.config, 16, 2, 16 << 20, prefix_caching=False, mtp_layers=0, state_dtype="fp8-fp4")
+    cache = StateCache(model.config, 16, 2, 16 << 20, prefix_caching=False, draft_layers=0, state_dtype="fp8-fp4")
     handles = [cache.allocate(), cache.allocate()]
     for handle, n in zip(handles, (14, 29)):  # 3 drafts after 14 / 29 tokens cross the 16- and 32-token ends
         assert cache.reserve(handle, n + 4)

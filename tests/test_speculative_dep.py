@@ -14,7 +14,7 @@ from rackserve.actors.deployment import Deployment, _role_engine_kwargs
 from rackserve.actors.instance import Instance
 from rackserve.config import ConfigError
 from rackserve.engine import LLM, SamplingParams
-from rackserve.model.tiny import make_tiny
+from rackserve.models.deepseek_v4.tiny import make_tiny
 
 # window 8, CSA every 4 and HCA every 8 tokens, blocks of 16 (as in test_speculative)
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=160, block_size=16, eplb_interval=4)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import prompt
-from rackserve.config import ModelConfig
+from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.engine.state_cache import StateCache
-from rackserve.model.state import ModelState
-from rackserve.model.tiny import TINY_CONFIG
+from rackserve.models.deepseek_v4.state import ModelState
+from rackserve.models.deepseek_v4.tiny import TINY_CONFIG
 
 CONFIG = ModelConfig.from_dict(TINY_CONFIG)
 BLOCK = 16

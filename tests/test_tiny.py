@@ -8,9 +8,9 @@ import sys
 import torch
 
 from conftest import new_state, prompt, step
-from rackserve.config import CSA, HCA, SLIDING, ModelConfig
-from rackserve.model import load_model
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
+from rackserve.models.deepseek_v4 import load_model
+from rackserve.models.tokenizer import Tokenizer
 
 
 def test_cli_writes_a_complete_checkpoint(tmp_path):
@@ -22,7 +22,7 @@ def test_cli_writes_a_complete_checkpoint(tmp_path):
 
 
 def test_same_seed_same_bytes(tiny_checkpoint, tmp_path):
-    from rackserve.model.tiny import make_tiny
+    from rackserve.models.deepseek_v4.tiny import make_tiny
 
     again = make_tiny(tmp_path / "again", seed=0)
     other = make_tiny(tmp_path / "other", seed=1)

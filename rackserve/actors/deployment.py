@@ -33,8 +33,8 @@ from rackserve.actors.instance import Instance
 from rackserve.actors.kv_store import KVStore
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import SamplingParams
-from rackserve.model.tiny import ensure_tiny
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models import resolve
+from rackserve.models.tokenizer import Tokenizer
 from rackserve.placement import InstanceGroup
 from rackserve.placement.planner import Plan
 from rackserve.placement.ray_groups import kv_store_options
@@ -110,7 +110,7 @@ class Deployment:
             raise ConfigError(f"prefill={prefill!r}, decode={decode!r}: a deployment needs at least one of each")
         if plan is None and kv_stores < 0:
             raise ConfigError(f"kv_stores={kv_stores} must be ≥ 0")
-        self.path = str(ensure_tiny() if str(model) == "tiny" else Path(model))
+        self.path = str(resolve(model))
         self.tokenizer = Tokenizer(self.path) if (Path(self.path) / "tokenizer.json").is_file() else None
         engine_kwargs = dict(engine_kwargs or {})
         tag = secrets.token_hex(3)

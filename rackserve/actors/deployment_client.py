@@ -31,7 +31,7 @@ import ray
 
 from rackserve.actors.instance_client import GangOwner, InstanceClient, InstanceError
 from rackserve.engine import SamplingParams
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models.tokenizer import Tokenizer
 from rackserve.serve.router import RankKey, Router
 
 LOAD_REFRESH_S = 0.25  # how often a client takes the ranks' reported loads from the owner

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rackserve.actors.gang_member import GangMember, GangSpec
 from rackserve.engine import Engine, SamplingParams
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models.tokenizer import Tokenizer
 from rackserve.transfer.kv import KVAgent, KVReservation, RemoteRegion
 
 

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from rackserve import timing
 from rackserve.collective import join
 from rackserve.config import EngineConfig
-from rackserve.model import DeepseekV4ForCausalLM, load_model
+from rackserve.models import load_model
+from rackserve.models.interface import ServingModel
 from rackserve.transfer.ep import ExpertParallel
 
 
@@ -33,7 +34,7 @@ class GangSpec:
     """Everything a member needs to join its gang; the same for every member.
 
     phy2log: `[num_layers][num_slots]` the logical expert of every physical slot, a row per MoE
-    layer (main layers, then MTP layers; see `DeepseekV4ForCausalLM.shard_experts`); expert_ranks:
+    layer (main layers, then MTP layers; see `ServingModel.shard_experts`); expert_ranks:
     (first, stop) the gang ranks holding slots, `slots_per_rank` each; store_at: (host, port) of rank
     0's TCP store, the expert-parallel process group's rendezvous; timeout (s): how long a
     peer may stay silent before a member gives up on the gang; kv_name: when set, DP ranks get a
@@ -73,7 +74,7 @@ class GangMember:
                                     wait_for_workers=False)
         return host, self._store.port
 
-    def _join(self, spec: GangSpec) -> tuple[DeepseekV4ForCausalLM, EngineConfig]:
+    def _join(self, spec: GangSpec) -> tuple[ServingModel, EngineConfig]:
         """Join both groups; load the model holding (and reading) only this rank's expert slots."""
         config = EngineConfig(**spec.engine_kwargs)
         timeout = timedelta(seconds=spec.timeout)

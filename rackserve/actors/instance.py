@@ -38,9 +38,9 @@ from rackserve.actors.expert_rank import ExpertRank
 from rackserve.actors.gang_member import GangSpec
 from rackserve.actors.instance_client import InstanceClient, InstanceError
 from rackserve.collective import RendezvousServer
-from rackserve.config import ConfigError, EngineConfig, ModelConfig
+from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import SamplingParams
-from rackserve.model.tiny import ensure_tiny
+from rackserve.models import read_config, resolve
 from rackserve.placement import planner, rebalance
 
 PING_TIMEOUT_S = 5.0  # a member that does not answer a ping this long after a failure counts as stalled
@@ -62,11 +62,11 @@ class Instance:
             raise ConfigError(f"expert_ranks={expert_ranks!r} must be an integer ≥ 0 (0: DEP mode)")
         if not isinstance(redundant_slots, int) or redundant_slots < 0:
             raise ConfigError(f"redundant_slots={redundant_slots!r} must be an integer ≥ 0")
-        self.path = str(ensure_tiny() if str(model) == "tiny" else Path(model))
+        self.path = str(resolve(model))
         if not (Path(self.path) / "config.json").is_file():
             raise ConfigError(f"model={str(model)!r}: no config.json in {self.path}; pass a checkpoint directory "
                               "(config.json + *.safetensors) or 'tiny' for the built-in tiny model")
-        config = ModelConfig.from_pretrained(self.path)
+        config = read_config(self.path)
         try:
             EngineConfig(**(engine_kwargs or {})).resolve(config)
         except TypeError as e:
@@ -81,8 +81,7 @@ class Instance:
         self.name, self.timeout = name, timeout
         self._engine_kwargs, self._actor_options = dict(engine_kwargs or {}), dict(actor_options or {})
         self._placement_group = placement_group
-        num_moe_layers = config.num_hidden_layers + config.num_nextn_predict_layers  # the MTP layers' rows last
-        self._layout = torch.as_tensor(rebalance(torch.ones(num_moe_layers, config.n_routed_experts),
+        self._layout = torch.as_tensor(rebalance(torch.ones(config.num_moe_layers, config.n_routed_experts),
                                                  num_slots=holders * self.slots_per_rank,
                                                  num_ranks=holders).phy2log).tolist()
         self._lock = threading.RLock()  # the gang (generation, members); a restart holds it for seconds

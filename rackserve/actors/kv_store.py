@@ -11,13 +11,12 @@ import os
 import secrets
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-from rackserve.config import EngineConfig, ModelConfig
+from rackserve.config import EngineConfig
 from rackserve.engine.prefix_store import PrefixStore
-from rackserve.model.tiny import ensure_tiny
+from rackserve.models import read_config, resolve
 from rackserve.transfer.kv import KVAgent
 
 BUSY_POLL_S, IDLE_POLL_S, BUSY_FOR_S = 0.001, 0.02, 1.0
@@ -29,12 +28,11 @@ class KVStore:
         """`memory_mb` of cached prefixes; `pool_mb` of NIXL-registered memory for the writers'
         inboxes (`inbox_mb` each) and pinned reads; `engine_kwargs`: the ranks' (for the state layout:
         block size, and the MTP layer's state with speculative decoding)."""
-        path = ensure_tiny() if str(model) == "tiny" else Path(model)
-        config = ModelConfig.from_pretrained(path)
+        config = read_config(resolve(model))
         ranks = EngineConfig(**(engine_kwargs or {})).resolve(config)
         agent = KVAgent(f"{name}-{secrets.token_hex(4)}", int(pool_mb * 2**20))
         self.store = PrefixStore(config, ranks.block_size, agent, memory_mb, int(inbox_mb * 2**20),
-                                 mtp_layers=int(ranks.speculative_tokens > 0), dtype=getattr(torch, ranks.dtype),
+                                 draft_layers=int(ranks.speculative_tokens > 0), dtype=getattr(torch, ranks.dtype),
                                  state_dtype=ranks.state_dtype)
         self._lock = threading.Lock()
         self._busy_until = 0.0

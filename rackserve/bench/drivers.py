@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable
 from rackserve.bench.metrics import Record
 from rackserve.bench.workload import Session
 from rackserve.engine import SamplingParams
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models.tokenizer import Tokenizer
 
 
 class PythonDriver:

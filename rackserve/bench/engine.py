@@ -19,7 +19,7 @@ import time
 import torch
 
 from rackserve.engine import LLM, SamplingParams
-from rackserve.model.tiny import ensure_tiny
+from rackserve.models.deepseek_v4.tiny import ensure_tiny
 
 
 class _TimedModel:

@@ -29,7 +29,7 @@ import torch
 from rackserve.actors.cluster import local_ray
 from rackserve.actors.instance import Instance
 from rackserve.engine import LLM, SamplingParams
-from rackserve.model.tiny import ensure_tiny
+from rackserve.models.deepseek_v4.tiny import ensure_tiny
 
 PHASES = ("schedule", "host sync", "attention", "dispatch/combine", "experts", "sampling", "forward other",
           "update", "eplb")

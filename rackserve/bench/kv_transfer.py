@@ -41,9 +41,9 @@ import ray
 import torch
 
 from rackserve.actors.cluster import local_ray
-from rackserve.config import ModelConfig
-from rackserve.model.state import ModelState
-from rackserve.model.tiny import ensure_tiny
+from rackserve.models.deepseek_v4.config import ModelConfig
+from rackserve.models.deepseek_v4.state import ModelState
+from rackserve.models.deepseek_v4.tiny import ensure_tiny
 from rackserve.transfer.kv import ALIGN, KVAgent, RemoteRegion
 
 TARGET = "NIXL push ≥ 50% of memcpy from 8 MB up, and faster than the object store"

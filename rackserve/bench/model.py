@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 from rackserve.engine.state_cache import StateCache
-from rackserve.model import DeepseekV4ForCausalLM, ForwardBatch, load_model
-from rackserve.model.tiny import ensure_tiny
+from rackserve.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardBatch, load_model
+from rackserve.models.deepseek_v4.tiny import ensure_tiny
 
 
 def median_ms(fn: Callable[[], object], iters: int, device: torch.device | str = "cpu") -> float:

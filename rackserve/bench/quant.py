@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from rackserve.bench.model import median_ms, model_steps, request_ids
-from rackserve.config import ModelConfig
+from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.kernels.block_scaled import (FP4_GROUP, fp8_linear_torch, fp8_linear_triton, moe_ffn_quantized_torch,
                                             moe_ffn_quantized_triton, quantize)
 from rackserve.kernels.moe import moe_ffn_triton
-from rackserve.model import DeepseekV4ForCausalLM, load_model
-from rackserve.model.tiny import ensure_tiny, make_tiny
+from rackserve.models.deepseek_v4 import DeepseekV4ForCausalLM, load_model
+from rackserve.models.deepseek_v4.tiny import ensure_tiny, make_tiny
 
 # the model forms: (key in the JSON, label without the dtype, make_tiny's quant; None: the dense checkpoint)
 FORMS = (("dense", "dense", None), ("fp8", "FP8", "fp8"), ("fp8fp4", "FP8 + FP4 experts", "fp4"))

@@ -24,8 +24,8 @@ from rackserve.bench import targets, workload
 from rackserve.bench.drivers import HTTPDriver, PythonDriver, drive
 from rackserve.bench.metrics import Record, Summary, summarize
 from rackserve.bench.workload import Session
-from rackserve.model.tiny import ensure_tiny
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models.deepseek_v4.tiny import ensure_tiny
+from rackserve.models.tokenizer import Tokenizer
 
 WARMUP_REQUESTS = 4
 

@@ -6,7 +6,7 @@
    (windows and compressor carries: fixed), by `state_dtype`, at the tiny model's shape (fp32) and
    V4-Flash's (bf16), from the runtime's own `ModelState` on the meta device; V4-Flash against the
    published V4.1-Flash figure of 890 bytes/token (which also shares KV across layers, see
-   `rackserve.model.state`).
+   `rackserve.models.deepseek_v4.state`).
 2. One decode step of `--batch` requests holding `--context` tokens each, on the tiny model on this
    CPU (torch kernels), for each `state_dtype`: medians of `--iters` steps, as a ratio to "auto".
    On CPU the packed pages are decoded by torch in the references; the GPU kernels decode in registers.
@@ -27,10 +27,11 @@ import time
 import torch
 
 from rackserve.bench.model import median_ms, model_steps, request_ids
-from rackserve.config import STATE_DTYPES, ModelConfig
-from rackserve.model import load_model
-from rackserve.model.memory import PUBLISHED_STATE_BYTES_PER_TOKEN, state_bytes
-from rackserve.model.tiny import ensure_tiny
+from rackserve.config import STATE_DTYPES
+from rackserve.models.deepseek_v4.config import ModelConfig
+from rackserve.models.deepseek_v4 import load_model
+from rackserve.models.deepseek_v4.memory import PUBLISHED_STATE_BYTES_PER_TOKEN, state_bytes
+from rackserve.models.deepseek_v4.tiny import ensure_tiny
 from rackserve.transfer.kv import ALIGN, KVAgent
 
 

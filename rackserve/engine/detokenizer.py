@@ -12,7 +12,7 @@ Contract: the deltas from `add` concatenated with `flush()` equal `text` once th
 
 from __future__ import annotations
 
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models.tokenizer import Tokenizer
 
 # Prompt tokens decoded in front of the output, for tokenizers whose text for a token depends on
 # its left neighbour (e.g. SentencePiece's leading space); byte-level BPE does not need them.

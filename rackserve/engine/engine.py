@@ -15,13 +15,13 @@ from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.engine.gang import ExpertBalancer, Gang, sync
 from rackserve.engine.kv_port import KVPort
 from rackserve.engine.request import Request, RequestOutput
-from rackserve.engine.runner import Runner
+from rackserve.engine.runner import Runner, plan_passes
 from rackserve.engine.sampling import SamplingParams
 from rackserve.engine.scheduler import Scheduler
 from rackserve.engine.speculative import Speculator
 from rackserve.engine.state_cache import StateCache
-from rackserve.model import DeepseekV4ForCausalLM
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models.interface import ServingModel
+from rackserve.models.tokenizer import Tokenizer
 from rackserve.timing import phase
 from rackserve.transfer.kv import KVAgent, KVReservation, RemoteRegion
 
@@ -33,7 +33,7 @@ class RequestError(ValueError):
 
 
 class Engine:
-    def __init__(self, model: DeepseekV4ForCausalLM, tokenizer: Tokenizer | None = None,
+    def __init__(self, model: ServingModel, tokenizer: Tokenizer | None = None,
                  config: EngineConfig | None = None, gang: Gang | None = None, kv: KVAgent | None = None):
         """`gang`: when this engine is one DP rank of an instance whose MoE layers exchange tokens
         (expert parallel), the other ranks to step in lockstep with; see `step`. `kv`: this rank's
@@ -44,8 +44,8 @@ class Engine:
         c = self.config
         self.cache = StateCache(model.config, c.block_size, c.max_num_seqs, int(c.state_memory_mb * 2**20),
                                 prefix_caching=c.prefix_caching, max_snapshots=c.prefix_snapshots,
-                                dtype=model.dtype, device=model.lm_head.weight.device,
-                                mtp_layers=int(c.speculative_tokens > 0), state_dtype=c.state_dtype)
+                                dtype=model.dtype, device=model.device,
+                                draft_layers=int(c.speculative_tokens > 0), state_dtype=c.state_dtype)
         if self.cache.pages_for(c.max_model_len) > self.cache.num_pages:
             raise ValueError(
                 f"state_memory_mb={c.state_memory_mb} holds {self.cache.num_pages} pages of {c.block_size} tokens, "
@@ -155,7 +155,7 @@ class Engine:
         loaded = self._load_pushed() if self.kv is not None else []
         with phase("schedule"):
             out = self.scheduler.schedule()
-            passes = self.runner.plan(out)
+            passes = plan_passes(out, self.cache)
         num_passes, num_drafts = len(passes), self.runner.draft_forwards(out)
         busy = self.kv is not None and self.kv.pending
         if self.gang is not None:

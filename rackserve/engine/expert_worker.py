@@ -14,12 +14,12 @@ import torch
 
 from rackserve.config import EngineConfig
 from rackserve.engine.gang import ExpertBalancer, Gang, sync
-from rackserve.model.moe import MoE
+from rackserve.models.moe import RoutedMoE
 from rackserve.timing import phase
 
 
 class ExpertWorker:
-    def __init__(self, layers: list[MoE], gang: Gang, config: EngineConfig, draft_layers: list[MoE] = ()):
+    def __init__(self, layers: list[RoutedMoE], gang: Gang, config: EngineConfig, draft_layers: list[RoutedMoE] = ()):
         """layers: the model's MoE layers, already sharded to this rank's slots (`MoE.shard`);
         draft_layers: the drafting MTP layer's (`draft_moe_layers`), run when `config` speculates."""
         self.layers, self.gang = layers, gang

@@ -10,11 +10,15 @@ re-placement (`ExpertBalancer`), so all members re-place together.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import numpy as np
+import torch
 
-from rackserve.model.moe import MoE, rebalance_experts
+from rackserve.models.moe import RoutedMoE
+from rackserve.placement.eplb import Placement, balancedness, moved_slots, rebalance
 
 
 class Gang(Protocol):
@@ -44,14 +48,43 @@ def sync(gang: Gang, num_tokens: int, num_passes: int, num_drafts: int = 0, busy
     return GangStep(vec[:-3], int(vec[-3]), int(vec[-2]), bool(vec[-1]))
 
 
+@dataclass
+class Rebalance:
+    """One EPLB re-placement: slots that changed expert, and the balancedness (mean / max rank
+    load, averaged over layers) of the load counted since the last one, under the old and new layout."""
+
+    moved_slots: int
+    balancedness_before: float
+    balancedness_after: float
+
+
+def rebalance_experts(layers: list[RoutedMoE], reduce_sum: Callable[[np.ndarray], np.ndarray],
+                      min_gain: float = 0.0) -> Rebalance:
+    """Re-place the routed experts of expert-parallel MoE `layers` (EPLB) from the tokens each
+    physical slot served since the last call, summed over the gang by `reduce_sum` (an all-reduce
+    of a numpy array), then restart the counts. Every rank of the gang must call it between the same
+    two steps; all compute the same layout, and the weights move in one all-to-all per layer."""
+    num_experts, ep = layers[0].num_experts, layers[0].ep
+    slot_load = torch.as_tensor(reduce_sum(torch.stack([m.slot_load for m in layers]).cpu().numpy()))
+    phy2log = torch.stack([m.phy2log for m in layers]).cpu()
+    load = torch.zeros(len(layers), num_experts, dtype=torch.float64).scatter_add_(1, phy2log, slot_load.double())
+    current = Placement.from_phy2log(phy2log, num_experts)
+    ranks = len(ep.expert_ranks)
+    new = rebalance(load, num_slots=phy2log.shape[1], num_ranks=ranks, current=current, min_gain=min_gain)
+    for m, row in zip(layers, torch.as_tensor(new.phy2log), strict=True):
+        m.relayout(row)
+    return Rebalance(moved_slots(current, new), balancedness(load, phy2log, ranks),
+                     balancedness(load, new.phy2log, ranks))
+
+
 class ExpertBalancer:
     """EPLB for one member: after every `interval`-th gang step (0: never), re-place the experts of
     `layers` (the target model's) and of `draft_layers` (the MTP layers'), each set with its own
     layout from its own load (the draft's traffic is not the target's), from the load the whole
     gang counted, and keep the figures for stats."""
 
-    def __init__(self, layers: list[MoE], gang: Gang, interval: int, min_gain: float,
-                 draft_layers: list[MoE] = ()):
+    def __init__(self, layers: list[RoutedMoE], gang: Gang, interval: int, min_gain: float,
+                 draft_layers: list[RoutedMoE] = ()):
         self.groups = {"eplb_balancedness": list(layers)}
         if draft_layers:
             self.groups["eplb_draft_balancedness"] = list(draft_layers)

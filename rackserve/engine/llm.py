@@ -15,18 +15,18 @@ from rackserve.config import EngineConfig
 from rackserve.engine.engine import Engine
 from rackserve.engine.request import Completion, Request, RequestOutput
 from rackserve.engine.sampling import SamplingParams
-from rackserve.model import load_model
-from rackserve.model.tiny import ensure_tiny
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models import load_model, resolve
+from rackserve.models.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 
 
 class LLM:
     def __init__(self, model: str | Path = "tiny", **engine_kwargs):
-        """`model` is "tiny" or a checkpoint directory; `engine_kwargs` are `EngineConfig` fields."""
+        """`model` is "tiny" or a checkpoint directory of any registered family (`rackserve.models`);
+        `engine_kwargs` are `EngineConfig` fields."""
         config = EngineConfig(**engine_kwargs)
-        path = ensure_tiny() if str(model) == "tiny" else Path(model)
+        path = resolve(model)
         weights = load_model(path, dtype=config.dtype, device=config.device, weights=config.weights)
         tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         self.engine = Engine(weights, tokenizer, config)

@@ -4,7 +4,7 @@ It is a `StateCache` (hash chains of full blocks, boundary snapshots, LRU evicti
 budget) in host memory behind a `KVAgent`:
 
 * PUT: every writer rank gets an *inbox*, a range of the store's pool it sub-allocates itself. It
-  WRITEs a prefix's state (a block boundary's snapshot + the prefix's pages, `ModelState.export_into`
+  WRITEs a prefix's state (a block boundary's snapshot + the prefix's pages, `PagedState.export_into`
   layout) into its inbox with the notification ["put", offset, nbytes, token ids]; `poll` imports it,
   registers its blocks and snapshot, and answers ["freed", offset] so the writer can reuse the range.
 * GET: `lookup(token_ids)` exports the longest cached prefix (ending in a snapshot) into a pinned
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from rackserve.config import ModelConfig
 from rackserve.engine.state_cache import StateCache
+from rackserve.models.interface import ModelSpec
 from rackserve.transfer.kv import KVAgent, RemoteRegion
 
 
@@ -38,15 +38,15 @@ class StoreStats:
 
 
 class PrefixStore:
-    def __init__(self, config: ModelConfig, block_size: int, agent: KVAgent, memory_mb: float,
-                 inbox_bytes: int, snapshot_share: float = 0.25, pin_ttl_s: float = 30.0, mtp_layers: int = 0,
+    def __init__(self, config: ModelSpec, block_size: int, agent: KVAgent, memory_mb: float,
+                 inbox_bytes: int, snapshot_share: float = 0.25, pin_ttl_s: float = 30.0, draft_layers: int = 0,
                  dtype: torch.dtype = torch.float32, state_dtype: str = "auto"):
         """`memory_mb` of cached state (blocks and snapshots; `snapshot_share` of it at most for
         snapshots); the agent's pool holds the inboxes (`inbox_bytes` per writer) and pinned reads;
-        `mtp_layers`: 1 when the writers' state has the MTP layer's (speculative decoding); `dtype` and
+        `draft_layers`: 1 when the writers' state has the draft model's (speculative decoding); `dtype` and
         `state_dtype`: the writers' (the store holds their bytes as they are)."""
         budget = int(memory_mb * 2**20)
-        layout = dict(dtype=dtype, mtp_layers=mtp_layers, state_dtype=state_dtype)
+        layout = dict(dtype=dtype, draft_layers=draft_layers, state_dtype=state_dtype)
         probe = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=0, device="meta", **layout)
         snapshots = max(1, int(budget * snapshot_share) // probe.state.slot_bytes)
         self.cache = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=snapshots, **layout)

@@ -2,9 +2,9 @@
 
 With speculative decoding a decode chunk carries drafts: its forward runs them after the request's
 last token, sampling verifies them (`sampling.sample` with drafts), the rejected ones' state is
-given back (`rackserve.model.rollback`), and the MTP layer drafts the next ones
-(`rackserve.engine.speculative`). In a gang, every pass runs the MTP layer once (a dummy token when
-there is nothing to follow), so its MoE exchanges line up with the peers'.
+given back (`ServingModel.rollback`), and the drafter proposes the next ones
+(`rackserve.engine.speculative`). In a gang, every pass runs the draft layer once (a dummy token
+when there is nothing to follow), so its MoE exchanges line up with the peers'.
 
 A chunk that crosses a block boundary without ending on one is run in two passes, split at its
 last boundary, so the request's state passes through that boundary and the prefix cache can
@@ -24,38 +24,39 @@ from rackserve.engine.sampling import SamplingBatch, sample
 from rackserve.engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
 from rackserve.engine.speculative import Speculator
 from rackserve.engine.state_cache import CacheHandle, StateCache
-from rackserve.model import DeepseekV4ForCausalLM, ForwardBatch
-from rackserve.model.rollback import Rollback
+from rackserve.models.interface import ServingModel
 from rackserve.timing import phase
 
 Pass = list[tuple[ScheduledChunk, list[int]]]
 
 
+def plan_passes(out: SchedulerOutput, cache: StateCache) -> list[Pass]:
+    """The forward passes of a step: each chunk's tokens, split at a block boundary if needed."""
+    passes: tuple[Pass, Pass] = ([], [])
+    for chunk in out.chunks:
+        ids = chunk.request.token_ids[chunk.start:chunk.start + chunk.num_tokens] + chunk.draft_ids
+        end = chunk.start + chunk.num_tokens
+        # the last boundary before the chunk's end; for a final chunk, strictly before its last
+        # token, which is where a later request with the same tokens will resume
+        last = end - 1 if chunk.samples else end
+        cut = last // cache.block_size * cache.block_size - chunk.start
+        if cache.prefix_caching and 0 < cut < len(ids):
+            passes[0].append((chunk, ids[:cut]))
+            passes[1].append((chunk, ids[cut:]))
+        else:
+            passes[0].append((chunk, ids))
+    return [p for p in passes if p]
+
+
 class Runner:
-    def __init__(self, model: DeepseekV4ForCausalLM, cache: StateCache, speculator: Speculator | None = None):
+    def __init__(self, model: ServingModel, cache: StateCache, speculator: Speculator | None = None):
         self.model, self.cache, self.speculator = model, cache, speculator
-        self.device = model.lm_head.weight.device
+        self.drafter = speculator.drafter if speculator is not None else None
+        self.device = model.device
         self.dummy: CacheHandle | None = None  # a scratch request for dummy forwards (DP ranks)
 
-    def plan(self, out: SchedulerOutput) -> list[Pass]:
-        """The forward passes of a step: each chunk's tokens, split at a block boundary if needed."""
-        passes: tuple[Pass, Pass] = ([], [])
-        for chunk in out.chunks:
-            ids = chunk.request.token_ids[chunk.start:chunk.start + chunk.num_tokens] + chunk.draft_ids
-            end = chunk.start + chunk.num_tokens
-            # the last boundary before the chunk's end; for a final chunk, strictly before its last
-            # token, which is where a later request with the same tokens will resume
-            last = end - 1 if chunk.samples else end
-            cut = last // self.cache.block_size * self.cache.block_size - chunk.start
-            if self.cache.prefix_caching and 0 < cut < len(ids):
-                passes[0].append((chunk, ids[:cut]))
-                passes[1].append((chunk, ids[cut:]))
-            else:
-                passes[0].append((chunk, ids))
-        return [p for p in passes if p]
-
     def draft_forwards(self, out: SchedulerOutput) -> int:
-        """The MTP draft forwards `execute(out)` runs after its passes: the speculator's when some
+        """The draft forwards `execute(out)` runs after its passes: the speculator's when some
         chunk samples, else none."""
         if self.speculator is None or not any(c.samples for c in out.chunks):
             return 0
@@ -63,12 +64,12 @@ class Runner:
 
     def execute(self, out: SchedulerOutput, passes: list[Pass] | None = None, num_passes: int = 0,
                 num_drafts: int = 0) -> RunnerOutput:
-        """Run the step's passes (`plan(out)` unless given), then dummy forwards up to `num_passes`,
-        drafting, then dummy MTP forwards up to `num_drafts` draft forwards (ranks of one instance
+        """Run the step's passes (`plan_passes` unless given), then dummy forwards up to `num_passes`,
+        drafting, then dummy draft forwards up to `num_drafts` draft forwards (ranks of one instance
         must all run the same sequence of forwards, since every MoE layer exchanges tokens). Each
         pass samples (and verifies drafts) for the chunks it finishes, so their state is final
         before the prefix cache may snapshot it."""
-        passes = self.plan(out) if passes is None else passes
+        passes = plan_passes(out, self.cache) if passes is None else passes
         sampled: dict[int, list[tuple[int, TokenLogprobs | None]]] = {}
         for part in passes:
             self._run(part, sampled)
@@ -82,24 +83,26 @@ class Runner:
                 result.drafts = self.speculator.draft([c.request for c in chunks],
                                                       [[t for t, _ in sampled[id(c)]] for c in chunks])
         for _ in range(self.draft_forwards(out), num_drafts):
-            self.speculator.dummy_forward(self._scratch())
+            self.drafter.dummy_forward(self._scratch())
         return result
 
     def _run(self, part: Pass, sampled: dict[int, list[tuple[int, TokenLogprobs | None]]]) -> None:
-        """One forward over `part` (and the MTP layer's over the same tokens), then sampling and
+        """One forward over `part` (and the draft layer's over the same tokens), then sampling and
         verification of the chunks it finishes, rollback of rejected drafts, and advancing."""
         requests = [(c.request.handle, ids) for c, ids in part]
         num_drafts = [len(c.draft_ids) for c, _ in part]
-        batch = ForwardBatch.build(self.cache.state, requests, num_logits=[1 + n for n in num_drafts])
+        batch = self.model.build_batch(self.cache.state, requests, num_logits=[1 + n for n in num_drafts])
         lens = [len(ids) for _, ids in part]
-        # without a speculator there are no drafts, and none of this bookkeeping is needed
-        speculative = self._last_rows(lens, num_drafts) if self.speculator is not None else None
-        rollback = Rollback(self.cache.state, batch, speculative, range(self.model.config.num_hidden_layers)) \
-            if any(num_drafts) else None
-        logits, streams = self.model(batch, self.cache.state, with_streams=True)
-        follow = self.speculator.follow(requests, streams, speculative) if self.speculator is not None else None
-        if follow is None and self.speculator is not None and self.dummy is not None:
-            self.speculator.dummy_forward(self.dummy)  # a gang's passes all run the MTP layer once
+        # without a drafter there are no drafts, and none of this bookkeeping is needed
+        speculative = self._last_rows(lens, num_drafts) if self.drafter is not None else None
+        rollback = self.model.rollback(self.cache.state, batch, speculative) if any(num_drafts) else None
+        if self.drafter is None:
+            logits, follow = self.model(batch, self.cache.state), None
+        else:
+            logits, streams = self.model(batch, self.cache.state, with_streams=True)
+            follow = self.drafter.follow(requests, streams, speculative)
+            if follow is None and self.dummy is not None:
+                self.drafter.dummy_forward(self.dummy)  # a gang's passes all run the draft layer once
 
         finishing = [i for i, (c, ids) in enumerate(part)
                      if c.samples and c.request.handle.num_tokens + len(ids) - num_drafts[i] == c.start + c.num_tokens]
@@ -118,16 +121,15 @@ class Runner:
             rollback.undo(rejected)
             if follow is not None:
                 follow.undo(rejected)
-        if self.cache.state.hidden is not None:  # the MTP layer pairs the next token with the last kept streams
+        if self.drafter is not None:  # the draft layer pairs the next token with the last kept streams
             slots = torch.tensor([h.slot for h, _ in requests], device=self.device)
             ends = itertools.accumulate(lens)
             kept_last = torch.tensor([end - 1 - r for end, r in zip(ends, rejected_count)], device=self.device)
-            self.cache.state.hidden.index_copy_(0, slots, streams.index_select(0, kept_last))
+            self.drafter.keep(slots, streams, kept_last)
         for i, (chunk, ids) in enumerate(part):
-            handle = chunk.request.handle
-            handle.num_tokens += len(ids) - num_drafts[i] + accepted[i]
             kept = [t for t, _ in sampled[id(chunk)][:-1]] if accepted[i] else []
-            self.cache.commit(handle, chunk.request.token_ids + kept)
+            self.cache.advance(chunk.request.handle, len(ids) - num_drafts[i] + accepted[i],
+                               chunk.request.token_ids + kept)
 
     def _last_rows(self, lens: list[int], counts: list[int]) -> torch.Tensor:
         """Bool `[sum(lens)]` on the device: the last `counts[i]` of request i's `lens[i]` token rows
@@ -138,13 +140,13 @@ class Runner:
         return (torch.arange(int(ends[-1])) >= (ends - torch.tensor(counts))[row_req]).to(self.device)
 
     def dummy_forward(self) -> None:
-        """One token through the model (and the MTP layer, as a real pass with speculation) on the
+        """One token through the model (and the draft layer, as a real pass with speculation) on the
         scratch request, which never advances: keeps an idle DP rank's MoE exchanges in step with
         its busy peers."""
         scratch = self._scratch()
-        self.model(ForwardBatch.build(self.cache.state, [(scratch, [0])]), self.cache.state)
-        if self.speculator is not None:
-            self.speculator.dummy_forward(scratch)
+        self.model(self.model.build_batch(self.cache.state, [(scratch, [0])]), self.cache.state)
+        if self.drafter is not None:
+            self.drafter.dummy_forward(scratch)
 
     def _scratch(self) -> CacheHandle:
         if self.dummy is None:

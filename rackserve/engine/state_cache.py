@@ -1,14 +1,15 @@
-"""The state cache: V4 per-request state under a byte budget, with prefix caching.
+"""The state cache: a model's per-request state under a byte budget, with prefix caching.
 
-Memory is one `ModelState`: slots (sliding windows + compressor carry, one per running request)
-and pages (compressed entries + indexer keys, one per `block_size` tokens). This class decides who
+Memory is one state of the model's family (`ModelSpec.new_state`, a `PagedState`): slots (fixed per
+running request; DeepSeek-V4: sliding windows + compressor carry) and pages (one per `block_size`
+tokens; V4: compressed entries + indexer keys; a plain KV cache: K and V). This class decides who
 owns what:
 
 * `allocate(token_ids)` gives a new request a slot, starting from the longest cached prefix;
   `reserve` adds pages as the request grows; both return None / False to mean "wait", never raise.
-* Prefix caching. A full block's compressed entries never change, so its page is shared by every
-  request with the same token prefix, found by a hash chain over full blocks. To *continue* after a
-  prefix, a request also needs the window and carry at the prefix's end: a **snapshot** of a slot,
+* Prefix caching. A full block's page never changes, so it is shared by every request with the
+  same token prefix, found by a hash chain over full blocks. To *continue* after a prefix, a request
+  also needs its slot's rows at the prefix's end (V4: window and carry): a **snapshot** of a slot,
   taken whenever a request's state sits exactly on a block boundary (the runner arranges that at
   the end of each prefill). A lookup therefore returns the longest chain of cached blocks that ends
   in a block with a snapshot.
@@ -25,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rackserve.config import ModelConfig
-from rackserve.model.state import ModelState, RequestState, StateBlob
+from rackserve.models.interface import ModelSpec
+from rackserve.models.state import RequestState, StateBlob
 
 
 @dataclass
@@ -57,16 +58,15 @@ def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
 
 
 class StateCache:
-    def __init__(self, config: ModelConfig, block_size: int, max_requests: int, budget_bytes: int,
+    def __init__(self, config: ModelSpec, block_size: int, max_requests: int, budget_bytes: int,
                  prefix_caching: bool = True, max_snapshots: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", mtp_layers: int = 0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", draft_layers: int = 0,
                  state_dtype: str = "auto"):
         """Size the memory from `budget_bytes`: `max_requests + max_snapshots` slots, pages for the rest.
-        `mtp_layers`: 1 to hold the MTP layer's state too (speculative decoding); `state_dtype`: how
-        entries and indexer keys are stored (`ModelState`)."""
+        `draft_layers`: 1 to hold the draft model's state too (speculative decoding); `state_dtype`: how
+        the family stores what it may quantise (`EngineConfig.state_dtype`)."""
         max_snapshots = (max_requests if max_snapshots is None else max_snapshots) if prefix_caching else 0
-        probe = ModelState(config, 1, 1, block_size, dtype, device="meta", mtp_layers=mtp_layers,
-                           state_dtype=state_dtype)
+        probe = config.new_state(1, 1, block_size, dtype, "meta", draft_layers, state_dtype)
         slots = max_requests + max_snapshots
         slot_bytes, page_bytes = probe.slot_bytes, probe.page_bytes
         rest = budget_bytes - slots * slot_bytes
@@ -77,7 +77,7 @@ class StateCache:
                 f"{slot_bytes / 2**20:.2f} MiB plus pages of {page_bytes / 2**20:.3f} MiB; raise the state "
                 "memory or lower max_num_seqs / prefix_snapshots"
             )
-        self.state = ModelState(config, slots, int(pages), block_size, dtype, device, mtp_layers, state_dtype)
+        self.state = config.new_state(slots, int(pages), block_size, dtype, device, draft_layers, state_dtype)
         self.block_size, self.max_snapshots, self.prefix_caching = block_size, max_snapshots, prefix_caching
         self.stats = CacheStats()
         self._free_slots = list(range(slots - 1, -1, -1))
@@ -168,6 +168,11 @@ class StateCache:
         handle.pages, handle.block_hashes, handle.num_tokens = [], [], 0
 
     # ---- prefix cache ------------------------------------------------------------------------------
+    def advance(self, handle: CacheHandle, num_tokens: int, token_ids: list[int]) -> None:
+        """`handle` ran `num_tokens` more tokens (its tokens so far: `token_ids`): count them and `commit`."""
+        handle.num_tokens += num_tokens
+        self.commit(handle, token_ids)
+
     def commit(self, handle: CacheHandle, token_ids: list[int]) -> None:
         """Register `handle`'s newly completed full blocks (`token_ids` = its tokens so far), and
         snapshot its slot if it sits exactly on a block boundary."""

@@ -32,6 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rackserve.transfer.ep import choose_slots, slot_maps
+
+__all__ = ["Placement", "balancedness", "choose_slots", "greedy_reference", "moved_slots", "rebalance"]
+
 Array = np.ndarray | torch.Tensor
 
 _TIE = 1e-12  # loads within this relative slack, or balancedness within it, count as equal
@@ -65,13 +69,7 @@ class Placement:
             layer, expert = np.argwhere(count == 0)[0]
             raise ValueError(f"phy2log leaves logical expert {expert} of layer {layer} without a slot; "
                              "every logical expert needs at least one")
-        layers, slots = p2l.shape
-        order = np.argsort(p2l, axis=1, kind="stable")  # slots grouped by expert, ascending
-        expert = np.take_along_axis(p2l, order, 1)
-        first = np.cumsum(count, 1) - count
-        replica = np.arange(slots) - np.take_along_axis(first, expert, 1)
-        log2phy = np.full((layers, num_experts, count.max()), -1, np.int64)
-        log2phy[np.arange(layers)[:, None], expert, replica] = order
+        log2phy, count = slot_maps(p2l, num_experts)
         return cls(*(_like(a, phy2log) for a in (p2l, log2phy, count)))
 
 
@@ -173,17 +171,6 @@ def moved_slots(old: Placement, new: Placement) -> int:
 # Packing. Items are rows of weights [B, m]; a packing is content [B, P, m/P] of item indices.
 
 
-def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor,
-                 token_index: torch.Tensor) -> torch.Tensor:
-    """Physical slot of each (token, expert) pair of one layer; replicas are used round-robin by token.
-
-    ids `[T, k]` logical experts; log2phy `[E, R]` (-1 padded); replica_count `[E]`; token_index `[T]`
-    any per-token counter (e.g. positions) that spreads tokens over replicas -> slots `[T, k]`.
-    """
-    replica = token_index[:, None] % replica_count[ids]
-    return log2phy[ids, replica]
-
-
 def _replicate(weight: np.ndarray, num_phy: int, max_count: int | None) -> np.ndarray:
     """Replica counts [B, n] summing to num_phy per row, each at most max_count.
 
@@ -262,10 +249,14 @@ def _unstick(b, x, content, fill, load, holds, weight, labels) -> None:
 
 def _refine(layout: np.ndarray, weight: np.ndarray, count: np.ndarray, cap: int | None,
             target: np.ndarray | None = None, max_rounds: int | None = None):
-    """Local search on layouts [B, P, S] of labels (experts or groups), in place.
+    """Local search on layouts [B, P, S] of labels, in place (see ``_Refiner``): (layout, count [B, n])."""
+    if layout.shape[1] == 1:  # one pack: nothing to move
+        return layout, count
+    return _Refiner(layout, weight, count, cap).run(target, max_rounds)
 
-    weight [B, n] is each label's total load, count [B, n] its replicas, each carrying
-    weight / count; cap bounds count (None: counts stay fixed). Returns (layout, count).
+
+class _Refiner:
+    """Local search that lowers the busiest pack of layouts [B, P, S] of labels (experts or groups).
 
     Moves, each leaving every pack it changes below the busiest pack's load and no label twice
     in a pack:
@@ -277,139 +268,196 @@ def _refine(layout: np.ndarray, weight: np.ndarray, count: np.ndarray, cap: int 
              takes one more replica of a label on the busiest pack, which lightens it. Replica
              counts from "highest load per replica first" minimise the heaviest replica, not the
              busiest rank; under heavy skew these moves lower the peak by several percent.
-    Every move makes the sorted vector of pack loads lexicographically smaller, so this ends; a
-    row stops when its busiest pack has no move left, once its peak is at most target [B] (when
-    starting from the layout in use, to move few slots), or after max_rounds rounds.
+    Every move makes the sorted vector of pack loads lexicographically smaller, so this ends.
     """
-    rows_all, (_, packs, size) = np.arange(layout.shape[0]), layout.shape
-    if packs == 1:
-        return layout, count
-    count = count.copy()
-    holds = np.zeros((len(rows_all), packs, weight.shape[1]), bool)
-    holds[rows_all[:, None, None], np.arange(packs)[:, None], layout] = True
-    w_in = np.empty(layout.shape)
-    load = np.empty((len(rows_all), packs))
 
-    def settle(rows):  # item weights and pack loads after counts changed
-        flat = layout[rows].reshape(len(rows), packs * size)
-        w_in[rows] = np.take_along_axis(weight[rows] / count[rows], flat, 1).reshape(len(rows), packs, size)
-        load[rows] = w_in[rows].sum(-1)
+    def __init__(self, layout: np.ndarray, weight: np.ndarray, count: np.ndarray, cap: int | None):
+        """layout: [B, P, S] label of each slot, changed in place. weight: [B, n] each label's total
+        load (tokens). count: [B, n] each label's replicas, each carrying weight / count (copied).
+        cap: most replicas per label; None keeps counts fixed (no shifts)."""
+        self.layout, self.weight, self.count, self.cap = layout, weight, count.copy(), cap
+        rows, self.packs, self.size = layout.shape
+        self.holds = np.zeros((rows, self.packs, weight.shape[1]), bool)  # [B, P, n] label is in pack
+        self.holds[np.arange(rows)[:, None, None], np.arange(self.packs)[:, None], layout] = True
+        self.item_load = np.empty(layout.shape)  # [B, P, S] load carried by each slot's replica
+        self.pack_load = np.empty((rows, self.packs))  # [B, P] sum of item_load over the pack
+        self._update_loads(np.arange(rows))
 
-    def best_swaps(rows, heavy, light):
-        """Best swap of each heavy pack [n, K] with any of its partners light [n, K, C]:
-        found [n, K], and the partner pack, heavy slot i and partner slot j."""
-        r2, r3, r4 = rows[:, None], rows[:, None, None], rows[:, None, None, None]
-        peak = load[r2, heavy][..., None, None, None]
-        delta = w_in[r2, heavy][:, :, None, :, None] - w_in[r3, light][:, :, :, None, :]  # [n,K,C,Si,Sj]
-        new_peak = np.maximum(peak - delta, load[r3, light][..., None, None] + delta)
+    def run(self, target: np.ndarray | None = None, max_rounds: int | None = None):
+        """Search until no row's busiest pack has a move left. A row also stops once its peak is at
+        most target [B] (starting from the layout in use: fewer moved slots), and all rows after
+        max_rounds rounds. Returns (layout [B, P, S], count [B, n])."""
+        # Shifts need a label with a replica to spare, so more slots than labels, and free counts.
+        shifts = self.cap is not None and self.packs * self.size > self.weight.shape[1]
+        rows = np.arange(len(self.layout))
+        active = rows if target is None else rows[self.pack_load.max(1) > target]
+        rounds = 0
+        while active.size and rounds != max_rounds:
+            rounds += 1
+            stuck = self._swap_pairs(active, target)
+            if stuck.size:
+                stuck = self._swap_busiest(stuck)
+            if stuck.size and shifts:
+                stuck = self._shift_busiest(stuck)
+            active = np.setdiff1d(active, stuck, assume_unique=True)
+            if target is not None:
+                active = active[self.pack_load[active].max(1) > target[active]]
+        return self.layout, self.count
+
+    def _update_loads(self, rows: np.ndarray) -> None:
+        """Recompute item_load and pack_load of rows [n] from their labels and current counts."""
+        flat = self.layout[rows].reshape(len(rows), self.packs * self.size)
+        per = self.weight[rows] / self.count[rows]
+        self.item_load[rows] = np.take_along_axis(per, flat, 1).reshape(len(rows), self.packs, self.size)
+        self.pack_load[rows] = self.item_load[rows].sum(-1)
+
+    def _swap_pairs(self, rows: np.ndarray, target: np.ndarray | None) -> np.ndarray:
+        """One round on rows [n]: the k-th heaviest pack swaps with the k-th lightest wherever the pair
+        can. Returns the rows [m] where no pair could."""
+        order = np.argsort(-self.pack_load[rows], axis=1, kind="stable")
+        half = self.packs // 2
+        heavy, light = order[:, :half], order[:, ::-1][:, :half, None]
+        found, partner, slot, partner_slot = self._best_swaps(rows, heavy, light)
+        if target is not None:  # packs already at the target need not move
+            found &= self.pack_load[rows[:, None], heavy] > target[rows, None]
+        n, k = np.nonzero(found)
+        self._swap(rows[n], heavy[n, k], partner[n, k], slot[n, k], partner_slot[n, k])
+        return rows[~found.any(1)]
+
+    def _swap_busiest(self, rows: np.ndarray) -> np.ndarray:
+        """On rows [n] whose pairs were stuck: the busiest pack's best swap with any other pack.
+        Returns the rows [m] where it has none."""
+        top = self.pack_load[rows].argmax(1)[:, None]
+        every = np.broadcast_to(np.arange(self.packs), (len(rows), 1, self.packs))
+        found, partner, slot, partner_slot = self._best_swaps(rows, top, every)
+        found = found[:, 0]
+        self._swap(rows[found], top[found, 0], partner[found, 0], slot[found, 0], partner_slot[found, 0])
+        return rows[~found]
+
+    def _best_swaps(self, rows: np.ndarray, heavy: np.ndarray, partners: np.ndarray):
+        """Best swap of each heavy pack [n, K] of rows [n] with one of its partner packs [n, K, C]: the
+        one with the lowest new peak of the two packs, which must be below the heavy pack's load.
+        Returns found [n, K] and, for each, the partner pack and the slots (heavy, partner) to trade."""
+        rows2, rows3, rows4 = rows[:, None], rows[:, None, None], rows[:, None, None, None]
+        peak = self.pack_load[rows2, heavy][..., None, None, None]
+        # [n, K, C, S, S] load moving to the partner when heavy slot i trades with partner slot j
+        moved = self.item_load[rows2, heavy][:, :, None, :, None] - self.item_load[rows3, partners][:, :, :, None, :]
+        new_peak = np.maximum(peak - moved, self.pack_load[rows3, partners][..., None, None] + moved)
         ok = new_peak < peak * (1 - _TIE)
-        ok &= ~holds[r4, light[..., None], layout[r2, heavy][:, :, None, :]][..., :, None]
-        ok &= ~holds[r4, heavy[:, :, None, None], layout[r3, light]][..., None, :]
+        # neither pack may already hold the label it receives
+        ok &= ~self.holds[rows4, partners[..., None], self.layout[rows2, heavy][:, :, None, :]][..., :, None]
+        ok &= ~self.holds[rows4, heavy[:, :, None, None], self.layout[rows3, partners]][..., None, :]
         score = np.where(ok, new_peak, np.inf).reshape(*heavy.shape, -1)
         best = score.argmin(-1)
         found = np.isfinite(np.take_along_axis(score, best[..., None], -1)[..., 0])
-        c, i, j = np.unravel_index(best, (light.shape[-1], size, size))
-        return found, np.take_along_axis(light, c[..., None], -1)[..., 0], i, j
+        choice, slot, partner_slot = np.unravel_index(best, (partners.shape[-1], self.size, self.size))
+        return found, np.take_along_axis(partners, choice[..., None], -1)[..., 0], slot, partner_slot
 
-    def swap(rows, p, q, i, j):
-        a, b = (rows, p, i), (rows, q, j)
-        load[rows, p] += w_in[b] - w_in[a]
-        load[rows, q] += w_in[a] - w_in[b]
-        for arr in (layout, w_in):
+    def _swap(self, rows, pack, partner, slot, partner_slot) -> None:
+        """Trade the items in (pack, slot) and (partner, partner_slot) of rows; all [n], and the packs
+        of one row's entries distinct."""
+        a, b = (rows, pack, slot), (rows, partner, partner_slot)
+        self.pack_load[rows, pack] += self.item_load[b] - self.item_load[a]
+        self.pack_load[rows, partner] += self.item_load[a] - self.item_load[b]
+        for arr in (self.layout, self.item_load):
             arr[a], arr[b] = arr[b], arr[a].copy()
-        # layout is swapped already: slot a now holds q's old label
-        holds[rows, p, layout[b]], holds[rows, q, layout[a]] = False, False
-        holds[rows, p, layout[a]], holds[rows, q, layout[b]] = True, True
+        # layout is swapped already: slot a now holds the partner's old label
+        self.holds[rows, pack, self.layout[b]], self.holds[rows, partner, self.layout[a]] = False, False
+        self.holds[rows, pack, self.layout[a]], self.holds[rows, partner, self.layout[b]] = True, True
 
-    def best_shift(rows):
-        """Best replica shift per row: found [n], and the slot (pack, index) and its new label."""
-        at = np.arange(len(rows))  # positions in the row subset
-        w, c, held, pack_load = weight[rows], count[rows], holds[rows], load[rows]
-        per, more = w / c, w / (c + 1)
-        spare = c > 1  # labels that can give up a replica
-        grow = w / np.maximum(c - 1, 1) - per  # per-replica increase with one replica fewer
-        top = pack_load.argmax(1)
-        peak = pack_load[at, top][:, None]
-        # The two busiest packs holding each label, the busiest pack aside: [n, labels]
-        masked = np.where(held, pack_load[..., None], -np.inf)
+    def _shift_busiest(self, rows: np.ndarray) -> np.ndarray:
+        """On rows [n] where no swap helps: apply the busiest pack's best shift. Returns the rows [m]
+        where it has none."""
+        found, pack, slot, label = self._best_shift(rows)
+        rows, stuck = rows[found], rows[~found]
+        pack, slot, label = pack[found], slot[found], label[found]
+        old = self.layout[rows, pack, slot]
+        self.count[rows, old] -= 1
+        self.count[rows, label] += 1
+        self.layout[rows, pack, slot] = label
+        self.holds[rows, pack, old], self.holds[rows, pack, label] = False, True
+        self._update_loads(rows)  # every replica of old and of label changed its load
+        return stuck
+
+    def _best_shift(self, rows: np.ndarray):
+        """Best shift per row of rows [n], refill or spread (one score list, refills first): found [n],
+        and the slot (pack [n], index [n]) that changes label, and its new label [n]."""
+        at = np.arange(len(rows))
+        top = self.pack_load[rows].argmax(1)
+        other, other_load, second_load = self._other_holders(rows, top)
+        refill, cheapest = self._refill_peaks(rows, top, other_load)
+        spread = self._spread_peaks(rows, top, other, other_load, second_load)
+        score = np.concatenate([refill, spread.reshape(len(rows), -1)], 1)
+        score[~(score < self.pack_load[rows, top][:, None] * (1 - _TIE))] = np.inf
+        best = score.argmin(1)
+        found = np.isfinite(score[at, best])
+        is_refill = best < self.size
+        k = np.maximum(best - self.size, 0)  # spread index: busiest-pack slot i, then slot s of all P*S
+        i, s = k // (self.packs * self.size), k % (self.packs * self.size)
+        pack = np.where(is_refill, top, s // self.size)
+        index = np.where(is_refill, best, s % self.size)
+        label = np.where(is_refill, cheapest, self.layout[rows, top, i])
+        return found, pack, index, label
+
+    def _replica_loads(self, rows: np.ndarray):
+        """Load per replica of each label [n, labels] of rows [n]: now, with one replica more, and how
+        much it rises with one replica fewer."""
+        weight, count = self.weight[rows], self.count[rows]
+        per = weight / count
+        return per, weight / (count + 1), weight / np.maximum(count - 1, 1) - per
+
+    def _other_holders(self, rows: np.ndarray, top: np.ndarray):
+        """For each label of rows [n], the busiest packs holding it other than the busiest pack top [n]:
+        the first one [n, labels], its load, and the second one's load (-inf where there is none)."""
+        at = np.arange(len(rows))
+        masked = np.where(self.holds[rows], self.pack_load[rows][..., None], -np.inf)  # [n, P, labels]
         masked[at, top] = -np.inf
         first = masked.argmax(1)
         first_load = np.take_along_axis(masked, first[:, None], 1)[:, 0]
         np.put_along_axis(masked, first[:, None], -np.inf, 1)
-        second_load = masked.max(1)
-        on_top = layout[rows, top]  # [n, S]
-        # (1) slot i of the busiest pack: its label a gives up the replica, the cheapest label
-        # not there (below cap) takes it; a's other packs each carry more.
-        cost = np.where(held[at, top] | (c >= cap), np.inf, more)
-        cheap = cost.argmin(1)
-        new_top = peak - np.take_along_axis(per, on_top, 1) + cost[at, cheap][:, None]
-        score1 = np.maximum(new_top, np.take_along_axis(first_load + grow, on_top, 1))
-        score1[~np.take_along_axis(spare, on_top, 1)] = np.inf
-        # (2) label b of the busiest pack (slot i there) gains a replica in slot s elsewhere,
-        # whose label a gives it up: the busiest pack sheds part of b's load.
-        slot_label = layout[rows].reshape(len(rows), -1)  # [n, P*S]
-        slot_pack = np.arange(packs * size) // size
-        shed = np.take_along_axis(per - more, on_top, 1)[:, :, None]  # [n, S, 1]
-        top_has = np.take_along_axis(held[at, top], slot_label, 1)
-        a_grow = np.take_along_axis(grow, slot_label, 1)
-        new_top2 = peak[..., None] - shed + np.where(top_has, a_grow, 0)[:, None, :]
-        new_slot = (pack_load[:, slot_pack] - np.take_along_axis(per, slot_label, 1))[:, None, :] \
-            + np.take_along_axis(more, on_top, 1)[:, :, None]
-        rest = np.where(np.take_along_axis(first, slot_label, 1) == slot_pack,
-                        np.take_along_axis(second_load, slot_label, 1),
-                        np.take_along_axis(first_load, slot_label, 1)) + a_grow
-        score2 = np.maximum(np.maximum(new_top2, new_slot), rest[:, None, :])
-        fits = ~held[at[:, None, None], slot_pack, on_top[:, :, None]]
-        fits &= (np.take_along_axis(c, on_top, 1) < cap)[..., None]
-        fits &= np.take_along_axis(spare, slot_label, 1)[:, None, :]
-        score2 = np.where(fits, score2, np.inf)
-        score = np.concatenate([score1, score2.reshape(len(rows), -1)], 1)
-        score[~(score < peak * (1 - _TIE))] = np.inf
-        best = score.argmin(1)
-        found = np.isfinite(score[at, best])
-        first_kind = best < size
-        k = np.maximum(best - size, 0)
-        i, s = k // (packs * size), k % (packs * size)
-        pack = np.where(first_kind, top, slot_pack[s])
-        index = np.where(first_kind, best, s % size)
-        label = np.where(first_kind, cheap, np.take_along_axis(on_top, i[:, None], 1)[:, 0])
-        return found, pack, index, label
+        return first, first_load, masked.max(1)
 
-    settle(rows_all)
-    shifts = cap is not None and packs * size > weight.shape[1]  # no spare replicas otherwise
-    active = rows_all if target is None else rows_all[load.max(1) > target]
-    rounds = 0
-    while active.size and rounds != max_rounds:
-        rounds += 1
-        order = np.argsort(-load[active], axis=1, kind="stable")
-        heavy, light = order[:, :packs // 2], order[:, ::-1][:, :packs // 2, None]
-        found, partner, i, j = best_swaps(active, heavy, light)
-        if target is not None:  # packs already at the target need not move
-            found &= load[active[:, None], heavy] > target[active, None]
-        n, k = np.nonzero(found)
-        swap(active[n], heavy[n, k], partner[n, k], i[n, k], j[n, k])
-        stuck = active[~found.any(1)]
-        if stuck.size:
-            top = load[stuck].argmax(1)[:, None]
-            every = np.broadcast_to(np.arange(packs), (len(stuck), 1, packs))
-            found, partner, i, j = best_swaps(stuck, top, every)
-            found = found[:, 0]
-            swap(stuck[found], top[found, 0], partner[found, 0], i[found, 0], j[found, 0])
-            stuck = stuck[~found]
-        if stuck.size and shifts:
-            found, pack, index, label = best_shift(stuck)
-            rows = stuck[found]
-            old = layout[rows, pack[found], index[found]]
-            count[rows, old] -= 1
-            count[rows, label[found]] += 1
-            layout[rows, pack[found], index[found]] = label[found]
-            holds[rows, pack[found], old], holds[rows, pack[found], label[found]] = False, True
-            settle(rows)
-            stuck = stuck[~found]
-        active = np.setdiff1d(active, stuck, assume_unique=True)
-        if target is not None:
-            active = active[load[active].max(1) > target[active]]
-    return layout, count
+    def _refill_peaks(self, rows: np.ndarray, top: np.ndarray, other_load: np.ndarray):
+        """Refill: slot i of the busiest pack top [n] gives its label's replica to the label cheapest
+        there (not on top, below cap): cheapest [n]. The given-up label's other packs each carry more;
+        the busiest of them has load other_load [n, labels]. Returns the new peaks [n, S] (inf where the
+        label has no replica to spare) and cheapest."""
+        at = np.arange(len(rows))
+        per, more, grow = self._replica_loads(rows)
+        count, on_top = self.count[rows], self.layout[rows, top]  # on_top: [n, S]
+        cost = np.where(self.holds[rows, top] | (count >= self.cap), np.inf, more)
+        cheapest = cost.argmin(1)
+        peak = self.pack_load[rows, top][:, None]
+        new_top = peak - np.take_along_axis(per, on_top, 1) + cost[at, cheapest][:, None]
+        peaks = np.maximum(new_top, np.take_along_axis(other_load + grow, on_top, 1))
+        peaks[~np.take_along_axis(count > 1, on_top, 1)] = np.inf
+        return peaks, cheapest
+
+    def _spread_peaks(self, rows, top, other, other_load, second_load) -> np.ndarray:
+        """Spread: label b in slot i of the busiest pack top [n] gains a replica in slot s of another pack
+        whose label a gives it up, so the busiest pack sheds part of b's load. Returns the new peaks
+        [n, S, P*S] (inf where not allowed); other, other_load, second_load as from ``_other_holders``."""
+        at = np.arange(len(rows))
+        per, more, grow = self._replica_loads(rows)
+        count, held = self.count[rows], self.holds[rows]
+        peak, on_top = self.pack_load[rows, top][:, None], self.layout[rows, top]
+        slot_label = self.layout[rows].reshape(len(rows), -1)  # [n, P*S] label a of every slot s
+        slot_pack = np.arange(self.packs * self.size) // self.size
+        a_grow = np.take_along_axis(grow, slot_label, 1)  # [n, P*S]
+        shed = np.take_along_axis(per - more, on_top, 1)[:, :, None]  # [n, S, 1]
+        top_has_a = np.take_along_axis(held[at, top], slot_label, 1)  # then the busiest pack takes a's rise too
+        new_top = peak[..., None] - shed + np.where(top_has_a, a_grow, 0)[:, None, :]
+        new_slot = (self.pack_load[rows][:, slot_pack] - np.take_along_axis(per, slot_label, 1))[:, None, :] \
+            + np.take_along_axis(more, on_top, 1)[:, :, None]
+        # a's busiest pack other than the busiest pack and the slot's own
+        a_rest = np.where(np.take_along_axis(other, slot_label, 1) == slot_pack,
+                          np.take_along_axis(second_load, slot_label, 1),
+                          np.take_along_axis(other_load, slot_label, 1)) + a_grow
+        peaks = np.maximum(np.maximum(new_top, new_slot), a_rest[:, None, :])
+        allowed = ~held[at[:, None, None], slot_pack, on_top[:, :, None]]  # b not on the slot's pack yet
+        allowed &= (np.take_along_axis(count, on_top, 1) < self.cap)[..., None]
+        allowed &= np.take_along_axis(count > 1, slot_label, 1)[:, None, :]
+        return np.where(allowed, peaks, np.inf)
 
 
 def _pack(weight, count, cap, num_packs, start=None, start_ok=None, rows_per_layer=1):

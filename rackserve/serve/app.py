@@ -32,8 +32,8 @@ from ray import serve
 
 from rackserve.actors.deployment_client import DeploymentClient
 from rackserve.actors.instance_client import InstanceError
-from rackserve.model.tiny import ensure_tiny
-from rackserve.model.tokenizer import Tokenizer
+from rackserve.models import resolve
+from rackserve.models.tokenizer import Tokenizer
 from rackserve.serve import protocol as api
 from rackserve.serve.config import ServeConfig
 from rackserve.serve.controller import RemoteDataPlane, data_plane, shutdown_data_planes
@@ -126,7 +126,7 @@ class OpenAIServer:
         self.plane = data_plane(self.config, serve.get_replica_context().app_name)  # waits until it is built
         info = ray.get(self.plane.info.remote())
         self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
-        path = ensure_tiny() if self.config.model == "tiny" else info["path"]  # the tiny model: made on this node
+        path = resolve(self.config.model) if self.config.model == "tiny" else info["path"]  # made on this node
         self.tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         self.deployment = DeploymentClient(RemoteDataPlane(self.plane), self.tokenizer, name="ingress")
         self.metrics = Metrics()

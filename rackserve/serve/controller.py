@@ -27,7 +27,8 @@ import time
 import ray
 
 from rackserve.actors.deployment import Deployment
-from rackserve.config import EngineConfig, ModelConfig
+from rackserve.config import EngineConfig
+from rackserve.models import read_config
 from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
 from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
 from rackserve.serve.config import INGRESS_FIELDS, ServeConfig
@@ -61,7 +62,7 @@ class Controller:
             if self.groups:
                 remove(self.groups)  # a data plane that did not start reserves nothing
             raise
-        model = ModelConfig.from_pretrained(self.deployment.path)
+        model = read_config(self.deployment.path)
         self.vocab_size = model.vocab_size
         self.max_model_len = min(EngineConfig(**{**config.engine, **role}).resolve(model).max_model_len
                                  for role in (config.prefill_engine, config.decode_engine))

@@ -10,7 +10,8 @@ Physical slots are laid out rank-major over the ranks that hold experts, `expert
 group (all of it in DEP mode; the expert ranks after the attention ranks in attention–FFN split
 mode): the j-th of them holds slots `j·S … j·S + S - 1` (S slots per rank); other ranks hold none
 and only send tokens.
-Which replica of a logical expert a token uses is `rackserve.placement.eplb.choose_slots`'s business.
+Which replica of a logical expert a token uses: `choose_slots`, over the maps `slot_maps` derives from
+a layer's layout (EPLB, `rackserve.placement.eplb`, decides the layout).
 One row travels per (token, expert) pair; deduplicating pairs bound for the same rank (as DeepEP
 does) is a bandwidth optimisation for later.
 Shapes: T tokens on this rank, k experts per token, D hidden, N rows received.
@@ -20,8 +21,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+
+def slot_maps(phy2log: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layouts phy2log `[L, S]` int64 (the logical expert of each physical slot, every expert held) ->
+    (log2phy `[L, E, R]`: each expert's slots, ascending, -1 padded; replica_count `[L, E]`)."""
+    layers, slots = phy2log.shape
+    offset = np.arange(layers)[:, None] * num_experts
+    count = np.bincount((phy2log + offset).ravel(), minlength=layers * num_experts).reshape(layers, num_experts)
+    order = np.argsort(phy2log, axis=1, kind="stable")  # slots grouped by expert, ascending
+    expert = np.take_along_axis(phy2log, order, 1)
+    first = np.cumsum(count, 1) - count
+    replica = np.arange(slots) - np.take_along_axis(first, expert, 1)
+    log2phy = np.full((layers, num_experts, count.max()), -1, np.int64)
+    log2phy[np.arange(layers)[:, None], expert, replica] = order
+    return log2phy, count
+
+
+def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor,
+                 token_index: torch.Tensor) -> torch.Tensor:
+    """Physical slot of each (token, expert) pair of one layer; replicas are used round-robin by token.
+
+    ids `[T, k]` logical experts; log2phy `[E, R]` (-1 padded); replica_count `[E]`; token_index `[T]`
+    any per-token counter (e.g. positions) that spreads tokens over replicas -> slots `[T, k]`.
+    """
+    replica = token_index[:, None] % replica_count[ids]
+    return log2phy[ids, replica]
 
 
 @dataclass

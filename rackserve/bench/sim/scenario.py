@@ -26,9 +26,10 @@ from rackserve.bench.sim.cost import (
 from rackserve.bench.sim.experts import ExpertLoad, ExpertPlacement
 from rackserve.bench.sim.hardware import Efficiency, Hardware, preset
 from rackserve.bench.sim.simulator import SimResult, Simulator, Workload
-from rackserve.config import EngineConfig, ModelConfig
-from rackserve.model.memory import WORKSPACE_BYTES
-from rackserve.model.state import ModelState
+from rackserve.config import EngineConfig
+from rackserve.models.deepseek_v4.config import ModelConfig
+from rackserve.models.deepseek_v4.memory import WORKSPACE_BYTES
+from rackserve.models.deepseek_v4.state import ModelState
 
 HOST_PATHS = {"rackserve": RACKSERVE, "unoptimised": UNOPTIMISED}
 ZIPF = 1.0  # assumed expert-popularity skew (the EPLB benchmark's default)

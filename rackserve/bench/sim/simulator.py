@@ -2,15 +2,15 @@
 in place of the GPUs.
 
 Each DP rank has a real `Scheduler` over a real `StateCache` on the meta device (shapes and byte
-accounting of the full model, no memory), and plans its forward passes with the real
-`Runner.plan`. A step is what `rackserve.engine.engine.Engine.step` does, with time from
+accounting of the full model, no memory), and plans its forward passes with the runner's
+`plan_passes`. A step is what `rackserve.engine.engine.Engine.step` does, with time from
 `CostModel`:
 
 1. each rank admits at most `max_new_kv_loads_per_step` arrived requests (pushed decode state,
    or a prefix fetched from the KV store) and schedules;
 2. the gang runs max(passes) forward passes (dummy ones where a rank has fewer); each pass routes
    its tokens over the experts (`ExpertLoad`) placed by the real EPLB (`ExpertPlacement`);
-3. the cache advances and commits as the runner's would, sampled tokens come back (synthetic),
+3. the cache advances (`StateCache.advance`) as in the runner, sampled tokens come back (synthetic),
    `Scheduler.update` finishes requests, and new ones arrive (closed loop).
 
 Request lengths are drawn per request (ragged), and requests go to ranks round-robin or to the
@@ -31,7 +31,7 @@ from rackserve.bench.sim.cost import Chunk, CostModel, StepCost
 from rackserve.bench.sim.experts import ExpertLoad, ExpertPlacement
 from rackserve.config import EngineConfig
 from rackserve.engine.request import Request
-from rackserve.engine.runner import Runner
+from rackserve.engine.runner import plan_passes
 from rackserve.engine.sampling import SamplingParams
 from rackserve.engine.scheduler import RunnerOutput, Scheduler
 from rackserve.engine.state_cache import StateCache
@@ -150,19 +150,9 @@ class SimResult:
         return 1 - sum(float(np.mean(s.rank_busy_s)) for s in self.steps) / gpu if gpu else 0.0
 
 
-class _Planner:
-    """What `Runner.plan` needs of a model: only the device of its lm_head."""
-
-    class _Head:
-        weight = torch.empty(0, device="meta")
-
-    lm_head = _Head()
-
-
 @dataclass
 class _Rank:
     scheduler: Scheduler
-    runner: Runner
     arrivals: deque = field(default_factory=deque)  # pushed state or fetched prefix, not yet admitted
 
 
@@ -184,7 +174,7 @@ class Simulator:
             cache = StateCache(model, self.engine.block_size, self.engine.max_num_seqs, state_bytes,
                                self.engine.prefix_caching, self.engine.prefix_snapshots, torch.bfloat16, device="meta",
                                state_dtype=cost.p.state_dtype)
-            self.ranks.append(_Rank(Scheduler(self.engine, cache), Runner(_Planner(), cache)))
+            self.ranks.append(_Rank(Scheduler(self.engine, cache)))
         self._slot_bytes, self._page_bytes = cache.state.slot_bytes, cache.state.page_bytes
         self._ids = itertools.count()
         self._next_rank = itertools.cycle(range(cost.world))
@@ -246,7 +236,7 @@ class Simulator:
         for step in range(warmup + steps):
             fetched = [self._admit(rank, w, self.engine.max_new_kv_loads_per_step) for rank in self.ranks]
             outs = [rank.scheduler.schedule() for rank in self.ranks]
-            plans = [rank.runner.plan(out) for rank, out in zip(self.ranks, outs)]
+            plans = [plan_passes(out, rank.scheduler.cache) for rank, out in zip(self.ranks, outs)]
             num_passes = max(map(len, plans))
             if num_passes == 0:
                 break
@@ -265,8 +255,7 @@ class Simulator:
             for rank, out, plan in zip(self.ranks, outs, plans):
                 for part in plan:
                     for chunk, ids in part:
-                        chunk.request.handle.num_tokens += len(ids)
-                        rank.scheduler.cache.commit(chunk.request.handle, chunk.request.token_ids)
+                        rank.scheduler.cache.advance(chunk.request.handle, len(ids), chunk.request.token_ids)
                 n = sum(c.samples for c in out.chunks)
                 done = [o for o in rank.scheduler.update(out, RunnerOutput([SAMPLED] * n, [None] * n)) if o.finished]
                 finished += len(done)

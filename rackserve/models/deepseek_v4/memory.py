@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from rackserve.config import STATE_DTYPES, EngineConfig, ModelConfig, QuantConfig
+from rackserve.config import STATE_DTYPES, EngineConfig
+from rackserve.models.deepseek_v4.config import ModelConfig, QuantConfig
 from rackserve.kernels.block_scaled import quantize
-from rackserve.model.loader import build_model
-from rackserve.model.published import PUBLISHED_EXPERTS, quantized_as
-from rackserve.model.state import ModelState
+from rackserve.models.deepseek_v4.loader import build_model
+from rackserve.models.deepseek_v4.published import PUBLISHED_EXPERTS, quantized_as
+from rackserve.models.deepseek_v4.state import ModelState
 
 GIB = 1 << 30
 WORKSPACE_BYTES = 16e9  # assumed: activations, communication buffers, CUDA graphs per GPU

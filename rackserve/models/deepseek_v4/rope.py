@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from rackserve.config import RopeConfig
+from rackserve.models.deepseek_v4.config import RopeConfig
 
 
 def inv_freq_and_scale(rope: RopeConfig) -> tuple[torch.Tensor, float]:

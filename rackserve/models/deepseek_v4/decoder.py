@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rackserve.config import ModelConfig
-from rackserve.model.attention import Attention
-from rackserve.model.batch import ForwardBatch
-from rackserve.model.layers import HyperConnection, RMSNorm
-from rackserve.model.moe import MoE
-from rackserve.model.rope import Rotary
-from rackserve.model.state import ModelState
+from rackserve.models.deepseek_v4.config import ModelConfig
+from rackserve.models.deepseek_v4.attention import Attention
+from rackserve.models.deepseek_v4.batch import ForwardBatch
+from rackserve.models.deepseek_v4.layers import HyperConnection, RMSNorm
+from rackserve.models.deepseek_v4.moe import MoE
+from rackserve.models.deepseek_v4.rope import Rotary
+from rackserve.models.deepseek_v4.state import ModelState
 from rackserve.timing import phase
 
 

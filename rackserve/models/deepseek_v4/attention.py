@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rackserve.config import CSA, ModelConfig
+from rackserve.models.deepseek_v4.config import CSA, ModelConfig
 from rackserve.kernels import dispatch
 from rackserve.kernels.mhc import unweighted_rms_norm
 from rackserve.kernels.packed_rows import PackedRows
-from rackserve.model.batch import CompressPlan, ForwardBatch
-from rackserve.model.layers import RMSNorm
-from rackserve.model.quantized import grouped_linear
-from rackserve.model.rope import Rotary, apply_rope
+from rackserve.models.deepseek_v4.batch import CompressPlan, ForwardBatch
+from rackserve.models.deepseek_v4.layers import RMSNorm
+from rackserve.models.deepseek_v4.quantized import grouped_linear
+from rackserve.models.deepseek_v4.rope import Rotary, apply_rope
 
 
 def _linear(n_in: int, n_out: int) -> nn.Linear:

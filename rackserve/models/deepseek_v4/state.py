@@ -16,8 +16,9 @@ at the request's last position, which the MTP layer pairs with the next token. T
 state then covers one position less than the main layers' (see `rackserve.engine.speculative`).
 
 A request holds one slot and a page table (`RequestState`); which slots and pages are free is the
-state cache's business (`rackserve.engine.state_cache`). `export` / `write` copy a request's state
-out as a list of contiguous tensors and into another `ModelState` (another rank, or a snapshot).
+state cache's business (`rackserve.engine.state_cache`). `export` / `write` (`PagedState`) copy a
+request's state out as a list of contiguous tensors and into another `ModelState` (another rank, or a
+snapshot).
 
 **Quantised state** (`state_dtype`, `EngineConfig.state_dtype`). "auto" holds everything in the model
 dtype. "fp8" holds the pages (compressed entries and indexer keys) as block-scaled FP8 e4m3 rows,
@@ -47,37 +48,15 @@ model's layers (each with its own compressor, as the reference defines them) do 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-from rackserve.config import CSA, SLIDING, STATE_DTYPES, ModelConfig
+from rackserve.config import STATE_DTYPES
 from rackserve.kernels.packed_rows import PackedRows, RowFormat
+from rackserve.models.deepseek_v4.config import CSA, SLIDING, ModelConfig
+from rackserve.models.state import PagedState, RequestState, StateBlob
 
-
-@dataclass
-class RequestState:
-    """A request's handle into a `ModelState`: its slot, its pages and how many tokens they hold."""
-
-    slot: int
-    pages: list[int] = field(default_factory=list)
-    num_tokens: int = 0
-
-
-@dataclass
-class StateBlob:
-    """A request's exported state: `num_tokens` and one contiguous tensor per stored piece.
-
-    The order of `tensors` is fixed by the layout (`ModelState.pieces`): for each layer its slot
-    rows, then its page rows for the pages in use.
-    """
-
-    num_tokens: int
-    tensors: list[torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+__all__ = ["ModelState", "RequestState", "StateBlob", "ring_len", "row_formats"]
 
 
 def row_formats(config: ModelConfig, state_dtype: str) -> tuple[RowFormat | None, RowFormat | None]:
@@ -102,7 +81,7 @@ def ring_len(kind: str, rate: int) -> int:
     return 2 * rate if kind == CSA else rate
 
 
-class ModelState:
+class ModelState(PagedState):
     """Preallocated state memory for `num_slots` requests and `num_pages` blocks.
 
     `block_size` must be a multiple of every compress rate so that a page holds whole entries.
@@ -131,7 +110,7 @@ class ModelState:
         self.config, self.block_size, self.dtype, self.state_dtype = config, block_size, dtype, state_dtype
         self.entry_format, self.key_format = row_formats(config, state_dtype)
         self.layer_types = config.layer_types + config.mtp_layer_types[:mtp_layers]
-        self.num_slots, self.num_pages = num_slots, num_pages
+        self.num_slots, self.num_pages, self.device = num_slots, num_pages, torch.device(device)
         hd, ihd, w = config.head_dim, config.index_head_dim, config.sliding_window
 
         def zeros(*shape: int, fmt: RowFormat | None = None) -> torch.Tensor:
@@ -179,89 +158,9 @@ class ModelState:
         return slot_t, page_t
 
     @property
-    def slot_bytes(self) -> int:
-        """Bytes of one slot (fixed per request)."""
-        return sum(t[0].numel() * t.element_size() for t in self.pieces()[0])
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page (`block_size` tokens of compressed state)."""
-        return sum(t[0].numel() * t.element_size() for t in self.pieces()[1])
-
-    @property
     def row_bytes(self) -> tuple[int, int, int]:
         """Bytes of one window row, one compressed entry and one indexer key as this state stores them."""
         size = torch.empty(0, dtype=self.dtype).element_size()
         entry = self.entry_format.row_bytes if self.entry_format else self.config.head_dim * size
         key = self.key_format.row_bytes if self.key_format else self.config.index_head_dim * size
         return self.config.head_dim * size, entry, key
-
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages needed to hold `num_tokens` tokens of compressed state."""
-        return -(-num_tokens // self.block_size) if self.uses_pages else 0
-
-    # ---- transfer ------------------------------------------------------------------------------
-    def export(self, req: RequestState) -> StateBlob:
-        """Copy `req`'s state out: slot rows, then the rows of the pages in use, per tensor."""
-        slot_t, page_t = self.pieces()
-        used = req.pages[: self.pages_for(req.num_tokens)]
-        index = torch.tensor(used, dtype=torch.long, device=self.swa[0].device)
-        tensors = [t[req.slot].clone() for t in slot_t] + [t.index_select(0, index) for t in page_t]
-        return StateBlob(num_tokens=req.num_tokens, tensors=tensors)
-
-    def write(self, req: RequestState, blob: StateBlob) -> None:
-        """Write `blob` into `req`'s slot and first pages (allocated by the caller); sets `num_tokens`."""
-        slot_t, page_t = self.pieces()
-        if len(blob.tensors) != len(slot_t) + len(page_t):
-            raise ValueError(
-                f"state blob has {len(blob.tensors)} tensors but this model's layout has "
-                f"{len(slot_t) + len(page_t)}; was it exported from the same model config?"
-            )
-        if len(req.pages) < self.pages_for(blob.num_tokens):
-            raise ValueError(f"{blob.num_tokens} tokens need {self.pages_for(blob.num_tokens)} pages; "
-                             f"the request holds {len(req.pages)}")
-        for dst, src in zip(slot_t, blob.tensors):
-            dst[req.slot].copy_(src)
-        index = torch.tensor(req.pages, dtype=torch.long, device=self.swa[0].device)
-        for dst, src in zip(page_t, blob.tensors[len(slot_t):]):
-            dst.index_copy_(0, index[: src.shape[0]], src.to(dst.dtype))
-        req.num_tokens = blob.num_tokens
-
-    # ---- transfer as bytes (a registered pool range: see rackserve.transfer.kv) ----------------------
-    def blob_nbytes(self, num_tokens: int) -> int:
-        """Bytes of the exported state of a request holding `num_tokens` tokens."""
-        return self.slot_bytes + self.pages_for(num_tokens) * self.page_bytes
-
-    def export_into(self, req: RequestState, buf: torch.Tensor) -> None:
-        """`export(req)` written straight into `buf` (uint8 `[blob_nbytes(req.num_tokens)]`, on the
-        state's device), piece after piece in the blob's order: one copy, no temporaries."""
-        slot_t, page_t = self.pieces()
-        views = self._views(buf, req.num_tokens)
-        for view, t in zip(views, slot_t):
-            view.copy_(t[req.slot])
-        index = torch.tensor(req.pages[: self.pages_for(req.num_tokens)], dtype=torch.long, device=buf.device)
-        for view, t in zip(views[len(slot_t):], page_t):
-            torch.index_select(t, 0, index, out=view)
-
-    def import_from(self, req: RequestState, buf: torch.Tensor, num_tokens: int) -> None:
-        """`write` from bytes laid out by `export_into` (the request holds the pages it needs)."""
-        self.write(req, StateBlob(num_tokens, self._views(buf, num_tokens)))
-
-    def _views(self, buf: torch.Tensor, num_tokens: int) -> list[torch.Tensor]:
-        """Typed views of `buf`, one per blob tensor, for a request of `num_tokens` tokens."""
-        if buf.dtype != torch.uint8 or buf.numel() < self.blob_nbytes(num_tokens):
-            raise ValueError(f"the buffer holds {buf.numel()} {buf.dtype} elements; a state of {num_tokens} tokens "
-                             f"needs {self.blob_nbytes(num_tokens)} uint8")
-        slot_t, page_t = self.pieces()
-        pages = self.pages_for(num_tokens)
-        views, offset = [], 0
-        for t, shape in [(t, t.shape[1:]) for t in slot_t] + [(t, (pages, *t.shape[1:])) for t in page_t]:
-            nbytes = torch.Size(shape).numel() * t.element_size()
-            views.append(buf[offset:offset + nbytes].view(t.dtype).view(shape))
-            offset += nbytes
-        return views
-
-    def copy_slot(self, src: int, dst: int) -> None:
-        """Copy slot `src`'s rows (window and carry) into slot `dst`, for every layer."""
-        for t in self.pieces()[0]:
-            t[dst].copy_(t[src])

@@ -3,7 +3,9 @@
 Module and parameter names follow the Hugging Face checkpoint (`model.layers.N.self_attn…`), so a
 checkpoint's state dict loads as is. `forward(batch, state)` runs the new tokens of every request
 in `batch` at once, reading and updating each request's state in `state`. The MTP layers
-(`mtp.N…`, see `rackserve.model.mtp`) draft tokens for speculative decoding.
+(`mtp.N…`, see `rackserve.models.deepseek_v4.mtp`) draft tokens for speculative decoding
+(`rackserve.models.deepseek_v4.draft`). This is the family's `ServingModel`
+(`rackserve.models.interface`).
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from rackserve.config import SLIDING, ModelConfig
-from rackserve.model.batch import ForwardBatch
-from rackserve.model.decoder import DecoderLayer
-from rackserve.model.layers import HyperHead, RMSNorm
-from rackserve.model.moe import MoE
-from rackserve.model.mtp import MTPBlock
-from rackserve.model.rope import Rotary
-from rackserve.model.state import ModelState
+from rackserve.models.deepseek_v4.config import SLIDING, ModelConfig
+from rackserve.models.deepseek_v4.batch import ForwardBatch
+from rackserve.models.deepseek_v4.decoder import DecoderLayer
+from rackserve.models.deepseek_v4.draft import MTPDrafter
+from rackserve.models.deepseek_v4.layers import HyperHead, RMSNorm
+from rackserve.models.deepseek_v4.moe import MoE
+from rackserve.models.deepseek_v4.mtp import MTPBlock
+from rackserve.models.deepseek_v4.rollback import Rollback
+from rackserve.models.deepseek_v4.rope import Rotary
+from rackserve.models.deepseek_v4.state import ModelState
 
 
 class DeepseekV4Model(nn.Module):
@@ -34,7 +38,7 @@ class DeepseekV4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    """The whole model. Build it with `rackserve.model.loader.load_model` to get weights."""
+    """The whole model. Build it with `rackserve.models.deepseek_v4.loader.load_model` to get weights."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -94,6 +98,22 @@ class DeepseekV4ForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    # ---- what the engine calls (`ServingModel`) ------------------------------------------------------
+    def build_batch(self, state: ModelState, requests, num_logits=None) -> ForwardBatch:
+        return ForwardBatch.build(state, requests, num_logits=num_logits)
+
+    def rollback(self, state: ModelState, batch: ForwardBatch, speculative: torch.Tensor) -> Rollback:
+        return Rollback(state, batch, speculative, range(self.config.num_hidden_layers))
+
+    def drafter(self, state: ModelState) -> MTPDrafter:
+        if not len(self.mtp) or state.hidden is None:
+            raise ValueError("drafting needs the checkpoint's MTP layer and a state built with draft_layers=1")
+        return MTPDrafter(self, state)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, state: ModelState,

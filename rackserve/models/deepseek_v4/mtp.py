@@ -33,12 +33,12 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from rackserve.config import TOPK_MOE, ModelConfig
-from rackserve.model.batch import ForwardBatch
-from rackserve.model.decoder import DecoderLayer
-from rackserve.model.layers import HyperHead, RMSNorm
-from rackserve.model.rope import Rotary
-from rackserve.model.state import ModelState
+from rackserve.models.deepseek_v4.config import TOPK_MOE, ModelConfig
+from rackserve.models.deepseek_v4.batch import ForwardBatch
+from rackserve.models.deepseek_v4.decoder import DecoderLayer
+from rackserve.models.deepseek_v4.layers import HyperHead, RMSNorm
+from rackserve.models.deepseek_v4.rope import Rotary
+from rackserve.models.deepseek_v4.state import ModelState
 
 
 def with_mtp_layers(config: ModelConfig) -> ModelConfig:

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from rackserve.config import CSA, HCA, SLIDING, ModelConfig, QuantConfig
-from rackserve.model.loader import build_model
-from rackserve.model.tokenizer import CHAT_TEMPLATE, save_tokenizer, train_byte_bpe
+from rackserve.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig, QuantConfig
+from rackserve.models.deepseek_v4.loader import build_model
+from rackserve.models.tokenizer import CHAT_TEMPLATE, save_tokenizer, train_byte_bpe
 
 TINY_CONFIG = {
     "model_type": "deepseek_v4",
@@ -122,7 +122,7 @@ def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None, hot_e
     linears and experts) or "fp4" (FP8 linears, FP4 experts), scales in `scale_fmt` ("ue8m0" or "float");
     config dtype stays float32, so tests compare in fp32.
     """
-    from rackserve.model.published import save_published
+    from rackserve.models.deepseek_v4.published import save_published
 
     if fmt not in FORMATS or quant not in QUANTS or (fmt == "ours" and quant != "none"):
         raise ValueError(f"format {fmt!r} with quant {quant!r}: use a format from {FORMATS} and a quant from "

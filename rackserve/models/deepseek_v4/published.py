@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from rackserve.config import QuantConfig
+from rackserve.models.deepseek_v4.config import QuantConfig
 from rackserve.kernels.block_scaled import quantize
-from rackserve.model.checkpoint_names import published
-from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.model.loader import keeps_fp32
+from rackserve.models.deepseek_v4.checkpoint_names import published
+from rackserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from rackserve.models.deepseek_v4.loader import keeps_fp32
 
 PUBLISHED_FP8 = re.compile(r"(\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)\.weight"
                            r"|\.shared_experts\.\w+\.weight|^mtp\.\d+\.(e_proj|h_proj)\.weight)$")

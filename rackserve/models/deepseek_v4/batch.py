@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rackserve.config import CSA, SLIDING, ModelConfig
+from rackserve.models.deepseek_v4.config import CSA, SLIDING, ModelConfig
 from rackserve.kernels.attention import gather_rows
-from rackserve.model.state import ModelState, RequestState, ring_len
+from rackserve.models.deepseek_v4.state import ModelState, RequestState, ring_len
 
 
 @dataclass

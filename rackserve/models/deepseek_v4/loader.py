@@ -6,7 +6,7 @@ them. Weights stored quantized (FP8 with block scales, FP4 routed experts; a wei
 it) stay so in memory (`weights="stored"`, see `model.quantized`) or are dequantized once at load
 (`"dequantize"`). Norms, mHC, sinks, position biases and the router's correction bias stay fp32 whatever
 the checkpoint dtype, as in the reference; every other unquantized weight takes the model dtype. The
-MTP layers' tensors (`mtp.N.*`, see `rackserve.model.mtp`) load like the rest; a checkpoint with none of
+MTP layers' tensors (`mtp.N.*`, see `rackserve.models.deepseek_v4.mtp`) load like the rest; a checkpoint with none of
 them (one saved by transformers, which drops them) gives a model without MTP layers.
 """
 
@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from rackserve.config import WEIGHTS, ModelConfig
+from rackserve.config import WEIGHTS
+from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.kernels.block_scaled import ScaleGridError, block_of
-from rackserve.model.checkpoint_names import Target, ours
-from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.model.moe import MoE
-from rackserve.model.quantized import SCALE_SUFFIX, dequantize_modules, quantize_modules
+from rackserve.models.deepseek_v4.checkpoint_names import Target, ours
+from rackserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from rackserve.models.deepseek_v4.moe import MoE
+from rackserve.models.deepseek_v4.quantized import SCALE_SUFFIX, dequantize_modules, quantize_modules
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FP32_MARKERS = ("_hc.", "hc_head.", "sinks", "position_bias", "norm.weight", "e_score_correction_bias")

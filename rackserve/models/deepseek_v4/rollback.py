@@ -22,9 +22,9 @@ from collections.abc import Iterable
 
 import torch
 
-from rackserve.config import CSA, SLIDING
-from rackserve.model.batch import ForwardBatch
-from rackserve.model.state import ModelState
+from rackserve.models.deepseek_v4.config import CSA, SLIDING
+from rackserve.models.deepseek_v4.batch import ForwardBatch
+from rackserve.models.deepseek_v4.state import ModelState
 
 
 class Rollback:

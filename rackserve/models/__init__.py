@@ -1,0 +1,76 @@
+"""Model families behind one interface (`rackserve.models.interface`), found by `model_type`.
+
+    from rackserve import models
+    model = models.load_model(models.resolve("tiny"))    # any registered family's checkpoint
+    config = models.read_config("/ckpt")                 # its config, as the engine sees it
+
+A family is a package under `rackserve.models` that calls `register` with its `ModelFamily` when
+imported; `_PACKAGES` lists the ones shipped, imported the first time their `model_type` is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from rackserve.config import ConfigError
+from rackserve.models.interface import ModelFamily, ModelSpec, ServingModel
+
+_PACKAGES = {"deepseek_v4": "rackserve.models.deepseek_v4", "qwen3_moe": "rackserve.models.qwen3_moe"}
+DEFAULT_MODEL_TYPE = "deepseek_v4"  # a config.json without `model_type` (the project's older checkpoints)
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> None:
+    """Make `family` servable under its `model_type`."""
+    _FAMILIES[family.model_type] = family
+
+
+def family(model_type: str) -> ModelFamily:
+    """The registered family of `model_type`; a `ConfigError` naming the supported ones if none."""
+    if model_type not in _FAMILIES and model_type in _PACKAGES:
+        importlib.import_module(_PACKAGES[model_type])
+    if model_type not in _FAMILIES:
+        raise ConfigError(f"model_type={model_type!r} is not supported; rackserve serves "
+                          f"{', '.join(repr(t) for t in sorted(_PACKAGES))}")
+    return _FAMILIES[model_type]
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The dict in `path/config.json` (or a config.json path)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"no config.json at {file}; point to a checkpoint directory that has one")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not valid JSON: {e}") from None
+
+
+def family_of(raw: dict[str, Any]) -> ModelFamily:
+    """The family a config.json dict belongs to."""
+    return family(raw.get("model_type", DEFAULT_MODEL_TYPE))
+
+
+def read_config(path: str | Path) -> ModelSpec:
+    """The config of the checkpoint at `path`, as its family reads it."""
+    raw = read_config_json(path)
+    return family_of(raw).config_from_dict(raw)
+
+
+def load_model(path: str | Path, **kwargs) -> ServingModel:
+    """The model of the checkpoint at `path` with its weights; `kwargs` as the family's loader takes them
+    (`dtype`, `device`, `weights`: "stored" | "dequantize", `shard`: (expert-parallel transport, phy2log))."""
+    return family_of(read_config_json(path)).load(path, **kwargs)
+
+
+def resolve(model: str | Path) -> Path:
+    """The checkpoint directory of `model`: "tiny" is the built-in tiny DeepSeek-V4 (made once, cached)."""
+    if str(model) == "tiny":
+        from rackserve.models.deepseek_v4.tiny import ensure_tiny
+
+        return ensure_tiny()
+    return Path(model)

@@ -1,0 +1,136 @@
+"""What the engine needs of a model family, and nothing more: its config (`ModelSpec`), its
+per-request state (`rackserve.models.state.PagedState`), the model (`ServingModel`) and, for
+speculative decoding, its draft model (`Drafter`). The engine, the state cache, the speculator and
+EPLB see a family only through these; a family lives in its own package under `rackserve.models`
+and registers itself by `model_type` (`rackserve.models.register`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from rackserve.models.moe import RoutedMoE
+from rackserve.models.state import PagedState, RequestState
+
+# a request's handle into the state and the token ids it runs in this forward
+BatchRequest = tuple[RequestState, Sequence[int]]
+
+
+class ModelSpec(Protocol):
+    """A family's configuration (read from the checkpoint's config.json), as the engine uses it."""
+
+    model_type: str
+    vocab_size: int
+    max_position_embeddings: int
+    num_hidden_layers: int
+    n_routed_experts: int  # routed experts per MoE layer
+    num_nextn_predict_layers: int  # draft (MTP) layers the checkpoint has; 0 for none
+    eos_token_ids: tuple[int, ...]
+    dtype: str  # the checkpoint's compute dtype ("bfloat16", …)
+
+    @property
+    def min_block_size(self) -> int:
+        """The smallest block of tokens a page may hold (block sizes are multiples of it)."""
+
+    @property
+    def block_rule(self) -> str:
+        """Why blocks come in multiples of `min_block_size` (for error messages)."""
+
+    @property
+    def num_moe_layers(self) -> int:
+        """MoE layers with routed experts, main then draft: rows of an expert layout (`phy2log`)."""
+
+    def check_speculation(self, k: int) -> None:
+        """Raise `ConfigError` naming the fix if this model cannot draft `k` tokens per step."""
+
+    def new_state(self, num_slots: int, num_pages: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device | str, draft_layers: int = 0, state_dtype: str = "auto") -> PagedState:
+        """State memory for `num_slots` requests and `num_pages` pages (`draft_layers`: 1 to hold the
+        draft model's state too); `state_dtype` as `EngineConfig.state_dtype`."""
+
+
+class Rollback(Protocol):
+    """Gives back the state rows a forward's speculative tokens wrote (see `ServingModel.rollback`)."""
+
+    def undo(self, rejected: torch.Tensor) -> None:
+        """rejected: bool `[T]` over the forward's token rows."""
+
+
+class ServingModel(Protocol):
+    """One forward over a ragged batch of many requests, each with its own state.
+
+    `build_batch(state, requests, num_logits)` turns (request handle, new token ids) pairs into the
+    family's batch (index arithmetic shared by all layers); calling the model runs it, writing the new
+    tokens' state and returning logits `[sum(num_logits), vocab]` (fp32) for each request's last
+    `num_logits[i]` tokens (default 1), and with `with_streams` the final hidden states `[T, …]` a
+    drafter reads. The caller advances each request's `num_tokens` once a step is accepted.
+    """
+
+    config: ModelSpec
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def moe_layers(self) -> list[RoutedMoE]:
+        """The main model's MoE layers, in order (what EPLB balances)."""
+
+    @property
+    def draft_moe_layers(self) -> list[RoutedMoE]:
+        """The drafting layer's MoE layers (balanced on their own); empty without a draft model."""
+
+    def build_batch(self, state: PagedState, requests: Sequence[BatchRequest],
+                    num_logits: Sequence[int] | None = None) -> Any: ...
+
+    def __call__(self, batch: Any, state: PagedState,
+                 with_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rollback(self, state: PagedState, batch: Any, speculative: torch.Tensor) -> Rollback:
+        """Save, before `batch` runs, the main layers' state rows its `speculative` tokens (bool `[T]`)
+        will write, so that rejected ones can be undone."""
+
+    def drafter(self, state: PagedState) -> Drafter:
+        """The draft model over `state` (built with `draft_layers=1`); raises if there is none."""
+
+    def shard_experts(self, ep, phy2log: torch.Tensor) -> None:
+        """Expert parallel: keep only this rank's expert slots; phy2log `[num_moe_layers, num_slots]`."""
+
+
+class Drafter(Protocol):
+    """A draft model whose state follows the main model's (see `rackserve.engine.speculative`)."""
+
+    def follow(self, requests: Sequence[BatchRequest], streams: torch.Tensor,
+               speculative: torch.Tensor) -> Rollback | None:
+        """Run the draft layer over the tokens the main forward just ran (`requests` as its batch had
+        them); streams: the main forward's final hidden states; speculative: bool `[T]`, its drafts.
+        Returns what undoes the drafts' rows (None when nothing ran)."""
+
+    def keep(self, slots: torch.Tensor, streams: torch.Tensor, rows: torch.Tensor) -> None:
+        """Keep, for the requests in `slots` `[R]`, the main streams of rows `rows` `[R]` (their last kept
+        token), which the draft layer pairs with the next token."""
+
+    def propose(self, handles: Sequence[RequestState], last: Sequence[int], k: int) -> list[list[int]]:
+        """k greedy drafts after each request's last token `last[i]` (handles advanced past it); the
+        draft layer's state is left as it was."""
+
+    def dummy_forward(self, scratch: RequestState) -> None:
+        """One token through the draft layer on a scratch request that never advances (keeps a DP rank's
+        MoE exchanges in step with its peers')."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A model family as the registry knows it: its `model_type`, how to read its config.json
+    (a dict -> `ModelSpec`) and how to load a checkpoint (`load(path, dtype=…, device=…, weights=…,
+    shard=…) -> ServingModel`)."""
+
+    model_type: str
+    config_from_dict: Callable[[dict], ModelSpec]
+    load: Callable[..., ServingModel]

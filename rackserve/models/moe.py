@@ -1,0 +1,149 @@
+"""Routed experts with expert parallelism, for any model family's MoE block.
+
+A family's MoE block subclasses `RoutedMoE` and says how tokens pick experts (`route`) and what runs
+beside the routed experts (`shared`, e.g. DeepSeek-V4's shared expert); the rest is common: the
+experts as two grouped GEMMs over the tokens sorted by expert (no loop over experts), and, once
+`shard`ed, expert parallelism: this rank keeps only its physical slots, tokens travel to the ranks
+holding their experts (`rackserve.transfer.ep`), tokens per slot are counted for EPLB, and
+`relayout` moves experts between ranks as stored.
+Shapes: T tokens, D hidden, E routed experts, k experts per token, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rackserve.kernels import dispatch
+from rackserve.timing import phase
+from rackserve.transfer.ep import choose_slots, slot_maps
+
+
+class Experts(nn.Module):
+    """Routed experts stored as 3-D tensors: gate_up `[E, 2I, D]`, down `[E, D, I]`, in the model dtype or
+    as a published checkpoint stores them (FP8 / FP4 codes plus `*_scale_inv` grids, `quantized`).
+    `limit`: SwiGLU clamp (inf: none)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float = float("inf")):
+        super().__init__()
+        self.limit = limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+
+    @property
+    def quantized(self) -> bool:
+        return hasattr(self, "gate_up_proj_scale_inv")
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x `[T, D]`, ids/weights `[T, k]` -> Σ_k weight · expert(x) `[T, D]`."""
+        if self.quantized:
+            return dispatch.moe_ffn_quantized(x, ids, weights, self.gate_up_proj, self.gate_up_proj_scale_inv,
+                                              self.down_proj, self.down_proj_scale_inv, self.limit)
+        return dispatch.moe_ffn(x, ids, weights, self.gate_up_proj, self.down_proj, self.limit)
+
+    def rows(self) -> torch.Tensor:
+        """Every tensor of each expert as one byte row `[E, bytes]`: what moves when experts move, in
+        the stored format (codes and scales as they are)."""
+        return torch.cat([t.detach().contiguous().view(torch.uint8).flatten(1) for t in self.parameters()], dim=1)
+
+    def set_rows(self, rows: torch.Tensor) -> None:
+        """Hold the experts of byte rows `[E', bytes]` laid out as `rows()` gives them."""
+        widths = [t.shape[1:].numel() * t.element_size() for t in self.parameters()]
+        for (name, t), part in zip(list(self.named_parameters()), rows.split(widths, dim=1), strict=True):
+            value = part.contiguous().view(t.dtype).view(len(rows), *t.shape[1:])
+            setattr(self, name, nn.Parameter(value, requires_grad=False))
+
+
+class RoutedMoE(nn.Module):
+    """A MoE block: `route` picks k of `num_experts` experts per token, `experts` (an `Experts`) computes
+    them, `shared` adds what runs for every token. With `shard`, the routed experts are this rank's
+    physical slots only and tokens travel to the ranks that hold their experts (expert parallel)."""
+
+    def __init__(self, num_experts: int, top_k: int):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.ep = None
+
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, D]`, input_ids `[T]` -> (expert ids `[T, k]` long, weights `[T, k]`)."""
+        raise NotImplementedError
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What every token gets besides its routed experts `[T, D]` (None: nothing)."""
+        return None
+
+    @property
+    def _anchor(self) -> torch.Tensor:
+        """A parameter that stays where the block runs (the routed experts may be sharded away)."""
+        return next(p for name, p in self.named_parameters() if not name.startswith("experts."))
+
+    def shard(self, ep, phy2log: torch.Tensor) -> None:
+        """Keep only the experts of this rank's physical slots and route through `ep`.
+
+        ep: an expert-parallel transport (`rackserve.transfer.ep.ExpertParallel`: `local_slots`,
+        `expert_ranks`, `dispatch`, `combine`, `move_rows`); phy2log `[num_slots]`: this layer's
+        logical expert of every physical slot, rank-major (from `rackserve.placement.rebalance`).
+        A rank without slots (attention-only, split mode) keeps no experts and only sends tokens.
+        On a model still on the meta device (`load_model(..., shard=…)`) only the shapes change, and the
+        loader then reads just these experts and calls `set_layout(self.layout)` on the real device.
+        """
+        rows = self.experts.rows()
+        self.experts.set_rows(rows[phy2log[ep.local_slots.start:ep.local_slots.stop].to(rows.device)])
+        self.ep = ep
+        self.set_layout(phy2log)
+
+    def relayout(self, phy2log: torch.Tensor) -> None:
+        """Move to a new slot layout `[num_slots]`: this rank receives the weights of its new slots
+        from the ranks that hold them now, as stored. Every rank of the gang must call it at the same time."""
+        self.experts.set_rows(self.ep.move_rows(self.phy2log, phy2log.to(self.phy2log.device), self.experts.rows()))
+        self.set_layout(phy2log)
+
+    @property
+    def local_experts(self) -> list[int]:
+        """The logical expert of each of this rank's slots (all experts when not sharded)."""
+        if self.ep is None:
+            return list(range(self.num_experts))
+        return self.layout[self.ep.local_slots.start:self.ep.local_slots.stop].tolist()
+
+    def set_layout(self, phy2log: torch.Tensor) -> None:
+        """The slot maps of a layout (`layout`, on the CPU, and its device buffers), and a fresh count of
+        tokens per physical slot `[num_slots]`."""
+        self.layout = phy2log.cpu()
+        device = self._anchor.device
+        log2phy, replica_count = slot_maps(self.layout[None].long().numpy(), self.num_experts)
+        self.register_buffer("phy2log", phy2log.to(device), persistent=False)
+        self.register_buffer("log2phy", torch.from_numpy(log2phy[0]).to(device), persistent=False)
+        self.register_buffer("replica_count", torch.from_numpy(replica_count[0]).to(device), persistent=False)
+        self.register_buffer("slot_load", torch.zeros(len(phy2log), dtype=torch.int64, device=device),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x `[T, D]`, input_ids `[T]` (hash routing reads them), positions `[T]` -> `[T, D]`."""
+        ids, weights = self.route(x, input_ids)
+        if self.ep is None:
+            with phase("experts"):
+                routed = self.experts(x, ids, weights)
+        else:
+            slots = choose_slots(ids, self.log2phy, self.replica_count, positions)
+            self.slot_load += torch.bincount(slots.flatten(), minlength=len(self.slot_load))  # for EPLB
+            routed = self._expert_parallel(x, slots, weights)
+        shared = self.shared(x)
+        return routed if shared is None else routed + shared
+
+    def serve_experts(self) -> None:
+        """An expert rank's part of this layer's forward (split mode): it sends no tokens, receives
+        the rows bound for its slots, and returns their results. Runs when the attention ranks run
+        `forward` on this layer."""
+        anchor = self._anchor
+        x = anchor.new_empty(0, self.experts.down_proj.shape[1])
+        slots = torch.empty(0, self.top_k, dtype=torch.long, device=x.device)
+        self._expert_parallel(x, slots, x.new_empty(0, self.top_k))
+
+    def _expert_parallel(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x `[T, D]`, slots/weights `[T, k]` -> `[T, D]`: dispatch, this rank's experts, combine."""
+        with phase("dispatch/combine"):
+            recv, handle = self.ep.dispatch(x, slots, weights)
+        with phase("experts"):
+            y = self.experts(recv.x, recv.slots[:, None], recv.weights[:, None]) if len(recv.x) else recv.x
+        with phase("dispatch/combine"):
+            return self.ep.combine(y, handle)

@@ -1,0 +1,139 @@
+"""Per-request state in preallocated memory, for any model family: slots and pages, and how a
+request's state is copied out, in, and moved as bytes.
+
+A family's state (`PagedState` subclass) holds two kinds of tensors, both indexed by their first
+dimension: *slot* tensors (one row per running request, fixed size: e.g. a sliding window, a
+compressor carry) and *page* tensors (one row per `block_size` tokens of a request: e.g. compressed
+entries, or a paged KV cache). `pieces()` lists them in a fixed order; everything else here works on
+that list, so the state cache, the prefix cache, P/D transfer and the KV store move any family's
+state alike. Which slots and pages are free is the state cache's business
+(`rackserve.engine.state_cache`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RequestState:
+    """A request's handle into a state: its slot, its pages and how many tokens they hold."""
+
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass
+class StateBlob:
+    """A request's exported state: `num_tokens` and one contiguous tensor per stored piece.
+
+    The order of `tensors` is fixed by the layout (`PagedState.pieces`): the slot rows of every slot
+    tensor, then the page rows of every page tensor for the pages in use.
+    """
+
+    num_tokens: int
+    tensors: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class PagedState:
+    """Memory for `num_slots` requests and `num_pages` blocks of `block_size` tokens on `device`.
+    Subclasses allocate their tensors and list them in `pieces`; `uses_pages` is False for a layout
+    whose state is all in slots (then a request needs no pages)."""
+
+    num_slots: int
+    num_pages: int
+    block_size: int
+    device: torch.device
+    uses_pages: bool
+
+    def pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The slot-indexed and the page-indexed tensors, in export order."""
+        raise NotImplementedError
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (fixed per request)."""
+        return sum(t[0].numel() * t.element_size() for t in self.pieces()[0])
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (`block_size` tokens)."""
+        return sum(t[0].numel() * t.element_size() for t in self.pieces()[1])
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size) if self.uses_pages else 0
+
+    # ---- transfer ------------------------------------------------------------------------------
+    def export(self, req: RequestState) -> StateBlob:
+        """Copy `req`'s state out: slot rows, then the rows of the pages in use, per tensor."""
+        slot_t, page_t = self.pieces()
+        used = req.pages[: self.pages_for(req.num_tokens)]
+        index = torch.tensor(used, dtype=torch.long, device=self.device)
+        tensors = [t[req.slot].clone() for t in slot_t] + [t.index_select(0, index) for t in page_t]
+        return StateBlob(num_tokens=req.num_tokens, tensors=tensors)
+
+    def write(self, req: RequestState, blob: StateBlob) -> None:
+        """Write `blob` into `req`'s slot and first pages (allocated by the caller); sets `num_tokens`."""
+        slot_t, page_t = self.pieces()
+        if len(blob.tensors) != len(slot_t) + len(page_t):
+            raise ValueError(
+                f"state blob has {len(blob.tensors)} tensors but this model's layout has "
+                f"{len(slot_t) + len(page_t)}; was it exported from the same model config?"
+            )
+        if len(req.pages) < self.pages_for(blob.num_tokens):
+            raise ValueError(f"{blob.num_tokens} tokens need {self.pages_for(blob.num_tokens)} pages; "
+                             f"the request holds {len(req.pages)}")
+        for dst, src in zip(slot_t, blob.tensors):
+            dst[req.slot].copy_(src)
+        index = torch.tensor(req.pages, dtype=torch.long, device=self.device)
+        for dst, src in zip(page_t, blob.tensors[len(slot_t):]):
+            dst.index_copy_(0, index[: src.shape[0]], src.to(dst.dtype))
+        req.num_tokens = blob.num_tokens
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy slot `src`'s rows into slot `dst`, for every slot tensor."""
+        for t in self.pieces()[0]:
+            t[dst].copy_(t[src])
+
+    # ---- transfer as bytes (a registered pool range: see rackserve.transfer.kv) ----------------------
+    def blob_nbytes(self, num_tokens: int) -> int:
+        """Bytes of the exported state of a request holding `num_tokens` tokens."""
+        return self.slot_bytes + self.pages_for(num_tokens) * self.page_bytes
+
+    def export_into(self, req: RequestState, buf: torch.Tensor) -> None:
+        """`export(req)` written straight into `buf` (uint8 `[blob_nbytes(req.num_tokens)]`, on the
+        state's device), piece after piece in the blob's order: one copy, no temporaries."""
+        slot_t, page_t = self.pieces()
+        views = self._views(buf, req.num_tokens)
+        for view, t in zip(views, slot_t):
+            view.copy_(t[req.slot])
+        index = torch.tensor(req.pages[: self.pages_for(req.num_tokens)], dtype=torch.long, device=buf.device)
+        for view, t in zip(views[len(slot_t):], page_t):
+            torch.index_select(t, 0, index, out=view)
+
+    def import_from(self, req: RequestState, buf: torch.Tensor, num_tokens: int) -> None:
+        """`write` from bytes laid out by `export_into` (the request holds the pages it needs)."""
+        self.write(req, StateBlob(num_tokens, self._views(buf, num_tokens)))
+
+    def _views(self, buf: torch.Tensor, num_tokens: int) -> list[torch.Tensor]:
+        """Typed views of `buf`, one per blob tensor, for a request of `num_tokens` tokens."""
+        if buf.dtype != torch.uint8 or buf.numel() < self.blob_nbytes(num_tokens):
+            raise ValueError(f"the buffer holds {buf.numel()} {buf.dtype} elements; a state of {num_tokens} tokens "
+                             f"needs {self.blob_nbytes(num_tokens)} uint8")
+        slot_t, page_t = self.pieces()
+        pages = self.pages_for(num_tokens)
+        views, offset = [], 0
+        for t, shape in [(t, t.shape[1:]) for t in slot_t] + [(t, (pages, *t.shape[1:])) for t in page_t]:
+            nbytes = torch.Size(shape).numel() * t.element_size()
+            views.append(buf[offset:offset + nbytes].view(t.dtype).view(shape))
+            offset += nbytes
+        return views
