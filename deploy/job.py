@@ -19,8 +19,7 @@ from ray import serve
 
 from rackserve.serve import ingress
 from rackserve.serve.app import build
-from rackserve.serve.config import ServeConfig
-from rackserve.serve.ingress import INGRESS_KINDS
+from rackserve.serve.config import INGRESS_KINDS, ServeConfig
 
 
 def main() -> None:

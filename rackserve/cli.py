@@ -53,7 +53,6 @@ def _plan(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rackserve.bench.sim.hardware import PRESETS
     from rackserve.models.deepseek_v4.config import ModelConfig
     from rackserve.models.deepseek_v4.memory import (
         PRECISIONS,
@@ -67,6 +66,7 @@ def _memory(args: argparse.Namespace) -> int:
     )
     from rackserve.placement import InstanceGroup
     from rackserve.serve.config import ServeConfig
+    from rackserve.sim.hardware import PRESETS
 
     config = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
     model_dir = Path(args.model or config.model)
@@ -104,10 +104,10 @@ def _memory(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from rackserve.bench.sim.published import validate
-    from rackserve.bench.sim.scenario import Scenario, report, simulate
-    from rackserve.bench.sim.simulator import Workload
     from rackserve.placement import InstanceGroup
+    from rackserve.sim.published import validate
+    from rackserve.sim.scenario import Scenario, report, simulate
+    from rackserve.sim.simulator import Workload
 
     if args.action == "validate":
         validate(args.preset)

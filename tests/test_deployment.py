@@ -57,7 +57,7 @@ def test_pd_outputs_equal_the_single_process_engine(deployment, published_fp4):
               for i, (m, t) in enumerate([(8, 0), (5, 0), (12, 0.8), (6, 0), (1, 0), (9, 1.0)])]
     before = totals(deployment, "decode")
     got = deployment.generate(prompts, params)
-    assert_like_single(published_fp4, prompts, [g["token_ids"] for g in got], params)
+    assert_like_single(published_fp4, prompts, [g.token_ids for g in got], params)
     after = totals(deployment, "decode")
     assert after["kv_loaded"] - before.get("kv_loaded", 0) == len(prompts)  # every state was pushed
     [decode] = deployment.stats()["decode"]
@@ -71,7 +71,7 @@ def test_a_second_turn_prefills_only_its_new_text(deployment, published_fp4):
     turn1 = prompt(40, seed=71)
     puts = deployment.stats()["kv_stores"][0]["puts"]
     [first] = deployment.generate([turn1], greedy, sessions=["chat"])
-    turn2 = turn1 + first["token_ids"] + prompt(13, seed=72)
+    turn2 = turn1 + first.token_ids + prompt(13, seed=72)
     deadline = time.monotonic() + 60
     # the decode rank writes prompt + answer back as the request finishes, asynchronously: a user's
     # next turn comes seconds later, this test's at once, so it waits for the write to land
@@ -79,10 +79,10 @@ def test_a_second_turn_prefills_only_its_new_text(deployment, published_fp4):
         time.sleep(0.05)
     pulled_before = totals(deployment, "prefill").get("kv_pulled_tokens", 0)
     [second] = deployment.generate([turn2], greedy, sessions=["chat"])
-    assert_like_single(published_fp4, [turn2], [second["token_ids"]], greedy)
+    assert_like_single(published_fp4, [turn2], [second.token_ids], greedy)
     block = 16  # the tiny model's block size: history up to the answer's last full block is reused
-    assert second["num_cached_tokens"] == (len(turn1) + len(first["token_ids"]) - 1) // block * block
-    assert totals(deployment, "prefill")["kv_pulled_tokens"] - pulled_before == second["num_cached_tokens"]
+    assert second.num_cached_tokens == (len(turn1) + len(first.token_ids) - 1) // block * block
+    assert totals(deployment, "prefill")["kv_pulled_tokens"] - pulled_before == second.num_cached_tokens
 
 
 @pytest.mark.slow
@@ -102,18 +102,18 @@ def kill_a_store_and_a_prefill_rank(deployment: Deployment, tiny_checkpoint) -> 
     ray.kill(deployment.stores[0])
     prompts = [prompt(n, seed=80 + n) for n in (20, 45)]
     got = deployment.generate(prompts, greedy)  # lookups fail: plain prefill
-    assert_like_single(tiny_checkpoint, prompts, [g["token_ids"] for g in got], greedy)
+    assert_like_single(tiny_checkpoint, prompts, [g.token_ids for g in got], greedy)
     assert deployment.client.dead_stores == {0}  # found by the client that looked a prefix up
 
     before = totals(deployment, "decode").get("kv_recomputed", 0)
     # a prompt of 10 prefill steps (96-token budget): the rank dies long before it could push
     request = deployment.submit(prompt(900, seed=90), greedy)
     ray.kill(deployment.prefill[0].members[0])  # its push never comes: the reservation expires
-    tokens = [t for out in deployment.stream(request) for t in out["new_token_ids"]]
+    tokens = [t for out in deployment.stream(request) for t in out.new_token_ids]
     assert_like_single(tiny_checkpoint, [prompt(900, seed=90)], [tokens], greedy)
     assert totals(deployment, "decode")["kv_recomputed"] == before + 1
     [again] = deployment.generate([prompt(25, seed=91)], greedy)  # the prefill instance restarts
-    assert_like_single(tiny_checkpoint, [prompt(25, seed=91)], [again["token_ids"]], greedy)
+    assert_like_single(tiny_checkpoint, [prompt(25, seed=91)], [again.token_ids], greedy)
 
 
 @pytest.mark.slow
@@ -126,7 +126,7 @@ def test_a_refused_request_fails_alone(deployment, published_fp4):
     with pytest.raises(ValueError, match="max_model_len"):
         deployment.submit(prompt(5000, seed=96), greedy)
     assert deployment.decode[0].generation == generation
-    tokens = [t for out in deployment.stream(running) for t in out["new_token_ids"]]
+    tokens = [t for out in deployment.stream(running) for t in out.new_token_ids]
     assert_like_single(published_fp4, [prompt(20, seed=95)], [tokens], greedy)
 
 
@@ -157,7 +157,7 @@ def test_concurrent_submits_reach_the_decode_ranks_within_a_few_steps(deployment
     took = steps() - before
     for stream in busy:
         stream.close()  # aborts them
-    got = [[t for out in deployment.stream(r) for t in out["new_token_ids"]] for r in ids]
+    got = [[t for out in deployment.stream(r) for t in out.new_token_ids] for r in ids]
     assert_like_single(published_fp4, prompts, got, short)
     # one request per step would take 24 steps; batched admissions take 1-2 unloaded, a few loaded
     assert took <= users // 2, f"{users} concurrent submits took {took} decode steps"
@@ -183,6 +183,6 @@ def test_a_controller_places_the_deployment_with_the_rack_planner(ray_cluster, t
         assert controller.health()["healthy"]
         greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         got = dep.generate([prompt(21, seed=3)], greedy)
-        assert_like_single(tiny_checkpoint, [prompt(21, seed=3)], [got[0]["token_ids"]], greedy)
+        assert_like_single(tiny_checkpoint, [prompt(21, seed=3)], [got[0].token_ids], greedy)
     finally:
         controller.shutdown()

@@ -19,12 +19,13 @@ from rackserve.transfer.kv import KVAgent, TransferError
 _names = itertools.count()
 
 
-def pair(checkpoint, **engine_kwargs):
-    """(prefill engine, decode engine), each with its own KV agent; the prefill one knows the decode one."""
+def pair(checkpoint, transport=KVAgent, **engine_kwargs):
+    """(prefill engine, decode engine), each with its own `transport` agent (NIXL's `KVAgent`, or the
+    in-process `LocalAgent`); the prefill one knows the decode one."""
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=96, **engine_kwargs)
     n = next(_names)
-    prefill = Engine(load_model(checkpoint), config=config, kv=KVAgent(f"test-prefill-{n}", 8 << 20))
-    decode = Engine(load_model(checkpoint), config=config, kv=KVAgent(f"test-decode-{n}", 8 << 20))
+    prefill = Engine(load_model(checkpoint), config=config, kv=transport(f"test-prefill-{n}", 8 << 20))
+    decode = Engine(load_model(checkpoint), config=config, kv=transport(f"test-decode-{n}", 8 << 20))
     prefill.kv.agent.add_peer(decode.kv.agent.metadata())
     return prefill, decode
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt
-from rackserve.engine import LLM, RequestError, SamplingParams
+from rackserve.engine import LLM, Completion, RequestError, RequestOutput, SamplingParams
+from rackserve.engine.request import TokenLogprobs
 from rackserve.models.deepseek_v4.tiny import make_tiny
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -165,6 +166,20 @@ def test_streaming_deltas_add_up_and_closing_aborts(checkpoint):
     stream.close()
     assert not llm.engine.has_unfinished()
     assert llm.engine.stats()["running"] == 0
+
+
+def test_a_completion_joins_its_outputs():
+    """What every `generate` returns: the deltas joined, the last output's reason and counts."""
+    first, second = TokenLogprobs(1, -0.5, [(1, -0.5)]), TokenLogprobs(3, -0.1, [(3, -0.1)])
+    outs = [RequestOutput("r", [1, 2], "ab", False, new_logprobs=[first], num_cached_tokens=16),
+            RequestOutput("r", [3], "c", True, "stop", [second], num_cached_tokens=16)]
+    c = Completion.from_outputs("r", [9, 8], outs, logprobs=True)
+    assert (c.prompt_token_ids, c.token_ids, c.text, c.finish_reason) == ([9, 8], [1, 2, 3], "abc", "stop")
+    assert (c.num_cached_tokens, c.logprobs, c.error) == (16, [first, second], None)
+    cut = Completion.from_outputs("r", [9, 8], outs[:1])  # the stream ended early: aborted
+    assert (cut.token_ids, cut.finish_reason, cut.logprobs) == ([1, 2], "abort", None)
+    refused = Completion.from_outputs("r", [9], [RequestOutput("r", [], "", True, "error", error="too long")])
+    assert (refused.token_ids, refused.finish_reason, refused.error) == ([], "error", "too long")
 
 
 def test_bad_input_is_rejected_with_the_fix_and_others_keep_going(checkpoint):

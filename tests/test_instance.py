@@ -18,7 +18,8 @@ import pytest
 import ray
 
 from conftest import assert_same_tokens, prompt, settled_stats
-from rackserve.actors.instance import Instance, InstanceError
+from rackserve.actors.faults import InstanceError
+from rackserve.actors.instance import Instance
 from rackserve.config import ConfigError
 from rackserve.engine import LLM, SamplingParams
 from rackserve.models.deepseek_v4.tiny import make_tiny
@@ -44,9 +45,9 @@ def run_staggered(inst: Instance) -> list[list[int]]:
     first = inst.stream(ids[0])
     head = next(first)
     ids += [inst.submit(prompt(n, seed=s), GREEDY) for n, s in LATER]
-    outs = [head["new_token_ids"] + [t for out in first for t in out["new_token_ids"]]]
+    outs = [head.new_token_ids + [t for out in first for t in out.new_token_ids]]
     for request_id in ids[1:]:
-        outs.append([t for out in inst.stream(request_id) for t in out["new_token_ids"]])
+        outs.append([t for out in inst.stream(request_id) for t in out.new_token_ids])
     return outs
 
 
@@ -90,10 +91,10 @@ def test_dep2_instance(ray_cluster, tiny_checkpoint):
         assert max(idle) < 0.2, idle  # ...and does not spin (CPU seconds over 2 s idle)
 
         [again] = inst.generate([STAGGERED[2]], GREEDY)  # woken by new work
-        assert_like_single_process(tiny_checkpoint, [again["token_ids"]], slice(2, 3))
+        assert_like_single_process(tiny_checkpoint, [again.token_ids], slice(2, 3))
 
         [bad] = inst.generate([prompt(9000, seed=1)], GREEDY)  # refused, the others keep going
-        assert "max_model_len" in bad["finish_reason"]
+        assert bad.finish_reason == "error" and "max_model_len" in bad.error
     finally:
         inst.shutdown()
 
@@ -147,7 +148,7 @@ def test_many_concurrent_streams_each_arrive_token_by_token(ray_cluster, tiny_ch
 
         async def arrivals(request_id: str) -> list[float]:
             """When each token reached this reader (s)."""
-            return [time.perf_counter() async for out in inst.astream(request_id) for _ in out["new_token_ids"]]
+            return [time.perf_counter() async for out in inst.astream(request_id) for _ in out.new_token_ids]
 
         async def read_all() -> list[list[float]]:
             return await asyncio.gather(*map(arrivals, ids))
@@ -195,7 +196,7 @@ def assert_member_death_is_survived(inst: Instance, member: int, name: str, chec
     assert time.monotonic() - start < (0 if fault == "kill" else inst.timeout) + RESTART_S
     assert inst.stats()["restarts"] == restarts + 1
     [again] = inst.generate([STAGGERED[2]], GREEDY)  # the restarted gang serves
-    assert_like_single_process(checkpoint, [again["token_ids"]], slice(2, 3))
+    assert_like_single_process(checkpoint, [again.token_ids], slice(2, 3))
 
 
 @pytest.mark.parametrize("kwargs,match", [

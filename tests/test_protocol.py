@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from rackserve.engine import SamplingParams
+from rackserve.engine.request import TokenLogprobs
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
 from rackserve.models.tokenizer import CHAT_TEMPLATE, Tokenizer
 from rackserve.serve.protocol import (
@@ -342,8 +343,8 @@ def test_sse_framing():
 
 def test_logprob_shaping():
     vocab = {5: "Hel", 6: "lo", 7: "p", 8: "\ufffd", 9: "\ufffd"}
-    entries = [{"token_id": 5, "logprob": -0.1, "top": [[5, -0.1], [7, -2.5]]},
-               {"token_id": 6, "logprob": float("-inf"), "top": [[8, -0.3], [9, -0.4]]}]
+    entries = [TokenLogprobs(5, -0.1, [(5, -0.1), (7, -2.5)]),
+               TokenLogprobs(6, float("-inf"), [(8, -0.3), (9, -0.4)])]
     legacy = completion_logprobs(entries, vocab.__getitem__, offset=10)
     assert legacy == {"tokens": ["Hel", "lo"], "token_logprobs": [-0.1, -9999.0],
                       # the chosen token joins its top dict; ids decoding alike keep the likelier

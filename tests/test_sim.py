@@ -8,7 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from rackserve.bench.sim.cost import (
+from rackserve.engine.request import Request
+from rackserve.engine.scheduler import Scheduler
+from rackserve.sim.cost import (
     Chunk,
     CostModel,
     Gemm,
@@ -18,13 +20,11 @@ from rackserve.bench.sim.cost import (
     sum_min,
     sync_latencies,
 )
-from rackserve.bench.sim.experts import ExpertLoad, ExpertPlacement, eplb_trace
-from rackserve.bench.sim.hardware import GB300, Efficiency, Hardware, assumption_rows
-from rackserve.bench.sim.published import FIGURES, validate
-from rackserve.bench.sim.scenario import Scenario, simulate, v4_flash
-from rackserve.bench.sim.simulator import SimRequest, Workload
-from rackserve.engine.request import Request
-from rackserve.engine.scheduler import Scheduler
+from rackserve.sim.experts import ExpertLoad, ExpertPlacement, eplb_trace
+from rackserve.sim.hardware import GB300, Efficiency, Hardware, assumption_rows
+from rackserve.sim.published import FIGURES, validate
+from rackserve.sim.scenario import Scenario, simulate, v4_flash
+from rackserve.sim.simulator import SimRequest, Workload
 
 PLAIN = Efficiency(gemm=1.0, attention=1.0, hbm=1.0, nvlink=1.0, layer_overhead_s=0.0)
 TOY = Hardware("toy", {"bf16": 1e12}, hbm_bytes_per_s=1e9, hbm_bytes=1e12, nvlink_bytes_per_s=1e9,

@@ -50,9 +50,9 @@ def run_ragged(inst: Instance) -> list[list[int]]:
     first = inst.stream(ids[0])
     head = next(first)
     ids += [inst.submit(prompt(n, seed=s), greedy(m), rank=i % inst.dep) for i, (n, s, m) in enumerate(LATER)]
-    outs = [head["new_token_ids"] + [t for out in first for t in out["new_token_ids"]]]
+    outs = [head.new_token_ids + [t for out in first for t in out.new_token_ids]]
     for request_id in ids[1:]:
-        outs.append([t for out in inst.stream(request_id) for t in out["new_token_ids"]])
+        outs.append([t for out in inst.stream(request_id) for t in out.new_token_ids])
     return outs
 
 
@@ -114,7 +114,7 @@ def test_pd_deployment_with_speculation_set_for_decode_only(ray_cluster, checkpo
                      decode_engine_kwargs={"speculative_tokens": 2}, store_memory_mb=16)
     try:
         got = dep.generate(PROMPTS, PARAMS)
-        assert_same_tokens(checkpoint, PROMPTS, [g["token_ids"] for g in got], plain, PARAMS)
+        assert_same_tokens(checkpoint, PROMPTS, [g.token_ids for g in got], plain, PARAMS)
         [decode] = dep.stats()["decode"][0]["members"]
         assert decode["kv_loaded"] == len(PROMPTS) and decode["kv_recomputed"] == 0  # every state was pushed
         assert decode["spec_verifies"] > 0

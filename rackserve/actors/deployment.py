@@ -32,7 +32,7 @@ from rackserve.actors.deployment_client import DeploymentClient
 from rackserve.actors.instance import Instance
 from rackserve.actors.kv_store import KVStore
 from rackserve.config import ConfigError, EngineConfig
-from rackserve.engine import SamplingParams
+from rackserve.engine import Completion, RequestOutput, SamplingParams
 from rackserve.models import resolve
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.placement import InstanceGroup
@@ -153,7 +153,8 @@ class Deployment:
         self._connect()
         for inst in self.prefill + self.decode:
             inst.on_restart = lambda _: self._connect()
-        threading.Thread(target=self._gather_loads, daemon=True, name=f"loads-{tag}").start()
+        self._loads_thread = threading.Thread(target=self._gather_loads, daemon=True, name=f"loads-{tag}")
+        self._loads_thread.start()
         self.client = DeploymentClient(self, self.tokenizer, name=f"dep-{tag}")
 
     # ---- wiring --------------------------------------------------------------------------------------
@@ -236,16 +237,16 @@ class Deployment:
         """See `DeploymentClient.submit`."""
         return self.client.submit(prompt, params, session)
 
-    def stream(self, request_id: str) -> Iterator[dict]:
+    def stream(self, request_id: str) -> Iterator[RequestOutput]:
         """See `DeploymentClient.stream`."""
         return self.client.stream(request_id)
 
-    def astream(self, request_id: str) -> AsyncIterator[dict]:
+    def astream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """See `DeploymentClient.astream`."""
         return self.client.astream(request_id)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 sessions: list[str | None] | None = None) -> list[dict]:
+                 sessions: list[str | None] | None = None) -> list[Completion]:
         """See `DeploymentClient.generate`."""
         return self.client.generate(prompts, params, sessions)
 
@@ -257,6 +258,9 @@ class Deployment:
 
     def shutdown(self) -> None:
         self._closed = True
+        # the load thread must be out of Ray before we return: a driver that disconnects from Ray while a
+        # thread of it is inside a Ray call exits the process ("core worker has already been shutdown")
+        self._loads_thread.join()
         self.client.close()
         for inst in self.prefill + self.decode:
             inst.shutdown()

@@ -29,8 +29,9 @@ from typing import Protocol
 
 import ray
 
-from rackserve.actors.instance_client import GangOwner, InstanceClient, InstanceError
-from rackserve.engine import SamplingParams
+from rackserve.actors.faults import InstanceError
+from rackserve.actors.instance_client import GangOwner, InstanceClient
+from rackserve.engine import Completion, RequestOutput, SamplingParams
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.serve.router import RankKey, Router
 
@@ -106,9 +107,7 @@ class DeploymentClient:
         params = params or SamplingParams()
         if params.seed is None:  # prefill samples the first token, decode the rest: one seed for both
             params = replace(params, seed=secrets.randbits(63))
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and self.tokenizer else prompt
-        if isinstance(ids, str):
-            raise ValueError("this model has no tokenizer.json; send token ids instead of text")
+        ids = self._token_ids(prompt)
         request_id = f"{self.name}-{secrets.token_hex(5)}"
         with self._lock:
             decode_at = self.router.decode_rank(session, len(ids) + params.max_tokens)
@@ -132,23 +131,30 @@ class DeploymentClient:
                 pass
         return request_id
 
-    def stream(self, request_id: str) -> Iterator[dict]:
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer.json; send token ids instead of text")
+        return self.tokenizer.encode(prompt)
+
+    def stream(self, request_id: str) -> Iterator[RequestOutput]:
         """The request's outputs from its decode rank (see `InstanceClient.stream`); closing the
         stream early aborts the request and frees its state."""
         route, finished = self._routes[request_id], False
         try:
             for out in self.decode[route.decode[0]].stream(request_id):
-                finished = out["finished"]
+                finished = out.finished
                 yield out
         finally:
             self._end(request_id, finished)
 
-    async def astream(self, request_id: str) -> AsyncIterator[dict]:
+    async def astream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """`stream` for asyncio callers (the HTTP server)."""
         route, finished = self._routes[request_id], False
         try:
             async for out in self.decode[route.decode[0]].astream(request_id):
-                finished = out["finished"]
+                finished = out.finished
                 yield out
         finally:  # not awaited: under a cancelled task (a client gone) an await here would not run
             asyncio.get_running_loop().run_in_executor(None, self._end, request_id, finished)
@@ -162,21 +168,15 @@ class DeploymentClient:
                 self.prefill[route.prefill[0]].abort(request_id, rank=route.prefill[1])
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 sessions: list[str | None] | None = None) -> list[dict]:
-        """Run prompts to completion: per prompt, its token ids, text, finish reason and cached
-        prompt tokens."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
+                 sessions: list[str | None] | None = None) -> list[Completion]:
+        """Run prompts to completion; their completions, in order (input the engine refused ends with
+        its `error`)."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        prompts = [self._token_ids(p) for p in prompts]
         ids = [self.submit(p, sp, s) for p, sp, s in zip(prompts, params_list, sessions or [None] * len(prompts),
                                                           strict=True)]
-        results = []
-        for request_id in ids:
-            tokens, text, reason, cached = [], "", None, 0
-            for out in self.stream(request_id):
-                tokens += out["new_token_ids"]
-                text += out["new_text"]
-                reason, cached = out.get("error") or out["finish_reason"], out.get("num_cached_tokens", 0)
-            results.append({"token_ids": tokens, "text": text, "finish_reason": reason, "num_cached_tokens": cached})
-        return results
+        return [Completion.from_outputs(request_id, p, self.stream(request_id), logprobs=sp.logprobs is not None)
+                for request_id, p, sp in zip(ids, prompts, params_list, strict=True)]
 
     @property
     def inflight(self) -> int:

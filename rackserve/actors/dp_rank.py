@@ -2,27 +2,60 @@
 
 In DEP mode it also holds its share of the routed experts; in attention–FFN split mode it holds
 none and its MoE layers send every token to the expert ranks. Requests come in through `submit`,
-outputs go out through `poll_all`, which each consumer's output pump for this rank long-polls: a
-consumer (an `InstanceClient`: the instance's owner, or one ingress replica) gets the outputs of the
-requests it submitted, and only those. A consumer that stops polling for `CONSUMER_TIMEOUT_S` (its
-process died) has its requests aborted, so their state is freed and nobody's outputs pile up.
-Between steps the rank publishes its `load()` for routers.
+outputs (`RequestOutput`s) go out through `poll_all`, which each consumer's output pump for this
+rank long-polls: a consumer (an `InstanceClient`: the instance's owner, or one ingress replica)
+gets the outputs of the requests it submitted, and only those. A consumer that stops polling for
+`CONSUMER_TIMEOUT_S` (its process died) has its requests aborted, so their state is freed and
+nobody's outputs pile up. Between steps the rank publishes its `load()` for routers.
+
+The engine is not thread-safe, so actor threads never touch it: they put an `AddRequest`,
+`AbortRequest` or `EngineCall` in the rank's inbox, which the step loop drains before each step.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rackserve.actors.gang_member import GangMember, GangSpec
-from rackserve.engine import Engine, SamplingParams
+from rackserve.engine import Engine, RequestOutput, SamplingParams
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.transfer.kv import KVAgent, KVReservation, RemoteRegion
 
 
 CONSUMER_TIMEOUT_S = 30.0  # a consumer silent this long is gone: its requests are aborted
+
+
+# ---- the inbox: what actor threads hand the step loop (the engine is not thread-safe) ---------------
+@dataclass
+class AddRequest:
+    """Queue a request (`Engine.add_request`); a refusal becomes its one, finished output."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    push_to: KVReservation | None
+    cached: tuple[int, RemoteRegion] | None
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class EngineCall:
+    """Run `fn(engine)` between steps; its result, or what it raised, goes to `future`."""
+
+    fn: Callable[[Engine], Any]
+    future: Future = field(default_factory=Future)
+
+
+InboxItem = AddRequest | AbortRequest | EngineCall
 
 
 class DPRank(GangMember):
@@ -31,8 +64,8 @@ class DPRank(GangMember):
     def __init__(self, rank: int, world_size: int):
         super().__init__(rank, world_size)
         self.engine: Engine | None = None
-        self._inbox: list[tuple] = []
-        self._outputs: dict[str, list[dict]] = {}  # request id -> outputs not yet polled
+        self._inbox: list[InboxItem] = []
+        self._outputs: dict[str, list[RequestOutput]] = {}  # request id -> outputs not yet polled
         self._consumer: dict[str, str] = {}  # request id -> the consumer that polls for it
         self._ready: dict[str, set[str]] = {}  # consumer -> its requests with outputs to take
         self._polled: dict[str, float] = {}  # consumer -> when it last polled (time.monotonic())
@@ -55,7 +88,14 @@ class DPRank(GangMember):
     def kv_connect(self, peers: list[bytes], store: tuple[bytes, list] | None = None) -> None:
         """Learn peer agents (decode ranks to push to, KV stores to read from) and attach the KV store
         to write prefixes to: (its metadata, this rank's inbox there as a wire region)."""
-        self._call("connect", peers, store)
+
+        def connect(engine: Engine) -> None:
+            for metadata in peers:
+                engine.kv.agent.add_peer(metadata)
+            if store is not None:
+                engine.attach_store(store[0], RemoteRegion.from_wire(store[1]))
+
+        self._call(connect)
 
     def reserve(self, request_id: str, prompt: str | list[int], params: dict, consumer: str = "") -> list | None:
         """Decode side: a reservation for a request another rank prefills (wire form), or None when
@@ -63,22 +103,23 @@ class DPRank(GangMember):
         with self._lock:
             self._expect(request_id, consumer)
         try:
-            reservation = self._call("reserve", request_id, prompt, SamplingParams.from_dict(params))
+            sampling = SamplingParams.from_dict(params)
+            reservation = self._call(lambda engine: engine.reserve_push(prompt, sampling, request_id=request_id))
         except Exception:  # refused: nothing will be streamed for it
             with self._lock:
                 self._drop(request_id)
             raise
         return reservation.to_wire() if reservation is not None else None
 
-    def _call(self, *item):
-        """Run an engine operation in the step loop (the engine is not thread-safe); its result."""
+    def _call(self, fn: Callable[[Engine], Any]):
+        """`fn(engine)`, run in the step loop between steps; its result."""
         if self.error:
             raise RuntimeError(self.error)
-        future = Future()
+        call = EngineCall(fn)
         with self._lock:
-            self._inbox.append(("call", future, *item))
+            self._inbox.append(call)
         self._wake.set()
-        return future.result()
+        return call.future.result()
 
     def _expect(self, request_id: str, consumer: str) -> None:
         """Keep `request_id`'s outputs for `consumer` (call under `_lock`)."""
@@ -90,11 +131,11 @@ class DPRank(GangMember):
         self._outputs.pop(request_id, None)
         self._ready.get(self._consumer.pop(request_id, None), set()).discard(request_id)
 
-    def _emit(self, request_id: str, out: dict) -> None:
-        """Keep `out` for the consumer of `request_id`, if someone polls for it (call under `_lock`)."""
-        if request_id in self._outputs:
-            self._outputs[request_id].append(out)
-            self._ready.setdefault(self._consumer[request_id], set()).add(request_id)
+    def _emit(self, out: RequestOutput) -> None:
+        """Keep `out` for the consumer of its request, if someone polls for it (call under `_lock`)."""
+        if out.request_id in self._outputs:
+            self._outputs[out.request_id].append(out)
+            self._ready.setdefault(self._consumer[out.request_id], set()).add(out.request_id)
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: dict, push_to: list | None = None,
@@ -106,21 +147,21 @@ class DPRank(GangMember):
         sampling = SamplingParams.from_dict(params)
         if self.error:  # the caller learns now, before the request is lost
             raise RuntimeError(self.error)
-        extra = {"push_to": KVReservation.from_wire(push_to) if push_to else None,
-                 "cached": (cached[0], RemoteRegion.from_wire(cached[1])) if cached else None}
+        add = AddRequest(request_id, prompt, sampling, KVReservation.from_wire(push_to) if push_to else None,
+                         (cached[0], RemoteRegion.from_wire(cached[1])) if cached else None)
         with self._lock:
-            self._inbox.append(("add", request_id, prompt, sampling, extra))
+            self._inbox.append(add)
             if push_to is None:  # a pushed request's outputs belong to its decode rank
                 self._expect(request_id, consumer)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(AbortRequest(request_id))
             self._drop(request_id)
         self._wake.set()
 
-    def poll_all(self, timeout: float = 1.0, consumer: str = "") -> dict[str, list[dict]]:
+    def poll_all(self, timeout: float = 1.0, consumer: str = "") -> dict[str, list[RequestOutput]]:
         """{request id: its outputs since the last call} for every request of `consumer` with new
         outputs, in order, a finished request's last (it is then forgotten); waits up to `timeout` s
         for any. One caller per consumer: its output pump for this rank, so that a request waiting for
@@ -133,7 +174,7 @@ class DPRank(GangMember):
                 raise RuntimeError(self.error)
             ready = {r: self._outputs[r] for r in self._ready.pop(consumer, ())}
             for request_id, outs in ready.items():
-                if outs[-1]["finished"]:
+                if outs[-1].finished:
                     self._drop(request_id)
                 else:
                     self._outputs[request_id] = []
@@ -151,7 +192,7 @@ class DPRank(GangMember):
         now = time.monotonic()
         gone = {c for c, at in self._polled.items() if now - at > CONSUMER_TIMEOUT_S}
         for request_id in [r for r, c in self._consumer.items() if c in gone]:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(AbortRequest(request_id))
             self._drop(request_id)
         for consumer in gone:
             del self._polled[consumer]
@@ -164,7 +205,7 @@ class DPRank(GangMember):
         load = self.engine.load()
         with self._lock:
             for out in outputs:
-                self._emit(out.request_id, asdict(out))
+                self._emit(out)
             self._load = load
             self._abort_orphans()
             self._lock.notify_all()
@@ -174,30 +215,20 @@ class DPRank(GangMember):
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for item in inbox:
-            if item[0] == "call":
-                self._run_call(*item[1:])
-            elif item[0] == "add":
-                _, request_id, prompt, sampling, extra = item
-                try:
-                    self.engine.add_request(prompt, sampling, request_id=request_id, **extra)
-                except ValueError as e:
-                    with self._lock:
-                        self._emit(request_id, {"request_id": request_id, "finished": True, "finish_reason": "error",
-                                                "error": str(e), "new_text": "", "new_token_ids": []})
+            if isinstance(item, AddRequest):
+                self._add(item)
+            elif isinstance(item, AbortRequest):
+                self.engine.abort(item.request_id)
             else:
-                self.engine.abort(item[1])
+                try:
+                    item.future.set_result(item.fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - handed to the caller, whose call raises it
+                    item.future.set_exception(e)
 
-    def _run_call(self, future: Future, op: str, *args) -> None:
+    def _add(self, item: AddRequest) -> None:
         try:
-            if op == "connect":
-                peers, store = args
-                for metadata in peers:
-                    self.engine.kv.agent.add_peer(metadata)
-                if store is not None:
-                    self.engine.attach_store(store[0], RemoteRegion.from_wire(store[1]))
-                future.set_result(None)
-            else:  # reserve
-                request_id, prompt, sampling = args
-                future.set_result(self.engine.reserve_push(prompt, sampling, request_id=request_id))
-        except Exception as e:  # noqa: BLE001 - handed to the caller, whose call raises it
-            future.set_exception(e)
+            self.engine.add_request(item.prompt, item.params, request_id=item.request_id, push_to=item.push_to,
+                                    cached=item.cached)
+        except ValueError as e:
+            with self._lock:
+                self._emit(RequestOutput(item.request_id, [], "", True, "error", error=str(e)))

@@ -11,39 +11,36 @@ CUDA context on the GPU, no hop between two processes on it). The routed experts
 `placement.rebalance` (uniform load until load is counted); each request goes to the DP rank with
 the fewest requests outstanding.
 
-Requests and outputs go through an `InstanceClient` (`rackserve.actors.instance_client`): the
-instance keeps one for its own Python API, and hands its gang's handles to other clients (ingress
-replicas) through `members_of`; outputs stream straight from a rank to the client that submitted.
+The gang's life (start, restart, shutdown) is a `GangSupervisor`'s. Requests and outputs go through
+an `InstanceClient` (`rackserve.actors.instance_client`): the instance keeps one for its own Python
+API, and hands its gang's handles to other clients (ingress replicas) through `members_of`; outputs
+stream straight from a rank to the client that submitted.
 
 Faults: a member that dies or stops answering fails the gang (survivors notice at their next
-exchange, within `timeout`); every request in flight ends with an `InstanceError` naming the member,
-and the instance restarts its gang (once, whichever client saw the failure first), so the next
-requests are served.
+exchange, within `timeout`); every request in flight ends with an `InstanceError` naming the member
+(`rackserve.actors.faults`), and the instance restarts its gang (once, whichever client saw the
+failure first), so the next requests are served.
 """
 
 from __future__ import annotations
 
-import secrets
-import threading
+import functools
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import ray
 import torch
 from ray.util.placement_group import PlacementGroup
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rackserve.actors.dp_rank import DPRank
-from rackserve.actors.expert_rank import ExpertRank
+from rackserve.actors.faults import retry_after_restart
 from rackserve.actors.gang_member import GangSpec
-from rackserve.actors.instance_client import InstanceClient, InstanceError
-from rackserve.collective import RendezvousServer
+from rackserve.actors.gang_supervisor import GangSupervisor
+from rackserve.actors.instance_client import InstanceClient
 from rackserve.config import ConfigError, EngineConfig
-from rackserve.engine import SamplingParams
+from rackserve.engine import Completion, RequestOutput, SamplingParams
 from rackserve.models import read_config, resolve
+from rackserve.models.tokenizer import Tokenizer
 from rackserve.placement import planner, rebalance
-
-PING_TIMEOUT_S = 5.0  # a member that does not answer a ping this long after a failure counts as stalled
 
 
 class Instance:
@@ -79,18 +76,15 @@ class Instance:
                               f"one per member ({dep} DP + {expert_ranks} expert ranks = {self.world})")
         self.shape = f"DEP{dep}" if not expert_ranks else f"AFD{dep}+{expert_ranks}"
         self.name, self.timeout = name, timeout
-        self._engine_kwargs, self._actor_options = dict(engine_kwargs or {}), dict(actor_options or {})
-        self._placement_group = placement_group
+        self._engine_kwargs, self._kv = dict(engine_kwargs or {}), kv
         self._layout = torch.as_tensor(rebalance(torch.ones(config.num_moe_layers, config.n_routed_experts),
                                                  num_slots=holders * self.slots_per_rank,
                                                  num_ranks=holders).phy2log).tolist()
-        self._lock = threading.RLock()  # the gang (generation, members); a restart holds it for seconds
-        self._failures: dict[int, str] = {}  # gang generation -> why it failed
-        self.generation = -1
         self.on_restart = None  # called with the instance after its gang restarted (e.g. to reconnect KV peers)
-        self._kv = kv
-        self._start()
-        self.client = InstanceClient(self.name, dep, self, self.shape + f" instance {self.name!r}")
+        label = f"{self.shape} instance {self.name!r}"
+        self._gang = GangSupervisor(label, dep, self.world, self._spec, timeout, actor_options, placement_group,
+                                    on_restart=self._restarted)
+        self.client = InstanceClient(self.name, dep, self, label)
 
     @classmethod
     def from_plan(cls, planned: planner.Instance, placement_group: PlacementGroup, model: str | Path = "tiny",
@@ -105,83 +99,32 @@ class Instance:
                    placement_group=placement_group, name=planned.name, **kwargs)
 
     # ---- the gang ----------------------------------------------------------------------------------
-    def _start(self) -> None:
-        """Create the members, join them into a gang, load the model on each, start their loops."""
-        self.generation += 1
-        secret = secrets.token_hex(16)
-        self._server = RendezvousServer(self.world, secret)
-        self.members = [self._actor(i).remote(i, self.world) for i in range(self.world)]
-        try:
-            store_at = ray.get(self.members[0].endpoint.remote(self.timeout))
-            holders = (self.dep, self.world) if self.num_expert_ranks else (0, self.dep)
-            spec = GangSpec(self.path, self._engine_kwargs, self._layout, self.slots_per_rank, holders,
-                            tuple(store_at), self._server.address, secret, self.timeout,
-                            kv_name=f"{self.name}-{secret[:8]}" if self._kv else None)
-            ray.get([m.setup.remote(spec) for m in self.members])
-        except BaseException:
-            self._kill()  # a gang that did not start holds no actors (nor their resources) either
-            raise
+    def _spec(self, store_at: tuple[str, int], rendezvous_at: tuple[str, int], secret: str) -> GangSpec:
+        holders = (self.dep, self.world) if self.num_expert_ranks else (0, self.dep)
+        return GangSpec(self.path, self._engine_kwargs, self._layout, self.slots_per_rank, holders, store_at,
+                        rendezvous_at, secret, self.timeout, kv_name=f"{self.name}-{secret[:8]}" if self._kv else None)
 
-    def _actor(self, i: int):
-        cls = DPRank if i < self.dep else ExpertRank
-        # threads: a long-poll per client with requests on the rank (at most one per ingress replica;
-        # ~128 on a busy decode rank of the GB300 config), submits and wakes besides
-        options = {"num_cpus": 0, "max_concurrency": 192, **self._actor_options}
-        if self._placement_group is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self._placement_group,
-                                                                              placement_group_bundle_index=i)
-        return ray.remote(cls).options(**options)
-
-    def _member_name(self, i: int) -> str:
-        return f"DP rank {i}" if i < self.dep else f"expert rank {i}"
-
-    def members_of(self, name: str | None = None) -> tuple[int, list]:
-        """The current gang: (generation, member handles) (`GangOwner`)."""
-        with self._lock:
-            return self.generation, list(self.members)
-
-    def gang_failed(self, name: str | None, generation: int, why: str) -> str:
-        """A client found gang `generation` failed (`GangOwner`): see `_fail`."""
-        return self._fail(generation, why)
-
-    def _fail(self, generation: int, cause: BaseException | str) -> str:
-        """Record why gang `generation` failed (naming the members at fault) and restart it, once
-        however many threads or clients find it failed; returns the reason."""
-        with self._lock:
-            if generation == self.generation:
-                self._failures[generation] = self._diagnose(cause)
-                self._restart()
-            return self._failures.get(generation, f"{self.shape} instance {self.name!r} restarted its gang")
-
-    def _diagnose(self, cause: BaseException | str) -> str:
-        refs = [m.ping.remote() for m in self.members]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_TIMEOUT_S)
-        culprits, errors = [], []
-        for i, ref in enumerate(refs):
-            if ref not in ready:
-                culprits.append(f"{self._member_name(i)} stopped answering")
-                continue
-            try:
-                info = ray.get(ref)
-            except ray.exceptions.RayActorError:
-                culprits.append(f"{self._member_name(i)} died")
-                continue
-            if info["error"]:
-                errors.append(info["error"])
-        detail = "; ".join(culprits) if culprits else (errors[0] if errors else cause if isinstance(cause, str)
-                                                        else f"{type(cause).__name__}: {cause}")
-        return f"{self.shape} instance {self.name!r} failed: {detail}"
-
-    def _restart(self) -> None:
-        self._kill()
-        self._start()
+    def _restarted(self) -> None:
         if self.on_restart is not None:
             self.on_restart(self)
 
-    def _kill(self) -> None:
-        for member in self.members:
-            ray.kill(member)
-        self._server.close()
+    @property
+    def generation(self) -> int:
+        """The current gang's generation: gang restarts so far."""
+        return self._gang.generation
+
+    @property
+    def members(self) -> list:
+        """The current gang's member handles: DP ranks, then expert ranks."""
+        return self._gang.members
+
+    def members_of(self, name: str | None = None) -> tuple[int, list]:
+        """The current gang: (generation, member handles) (`GangOwner`)."""
+        return self._gang.current()
+
+    def gang_failed(self, name: str | None, generation: int, why: str) -> str:
+        """A client found gang `generation` failed (`GangOwner`): see `GangSupervisor.fail`."""
+        return self._gang.fail(generation, why)
 
     # ---- requests (through the instance's own client) ----------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -194,11 +137,11 @@ class Instance:
         """See `InstanceClient.reserve`."""
         return self.client.reserve(prompt, params, request_id, rank)
 
-    def stream(self, request_id: str) -> Iterator[dict]:
+    def stream(self, request_id: str) -> Iterator[RequestOutput]:
         """See `InstanceClient.stream`."""
         return self.client.stream(request_id)
 
-    def astream(self, request_id: str) -> AsyncIterator[dict]:
+    def astream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """See `InstanceClient.astream`."""
         return self.client.astream(request_id)
 
@@ -206,9 +149,22 @@ class Instance:
         """See `InstanceClient.abort`."""
         self.client.abort(request_id, rank)
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[dict]:
-        """See `InstanceClient.generate`."""
-        return self.client.generate(prompts, params)
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[Completion]:
+        """Run prompts to completion across the ranks; their completions, in order (input the engine
+        refused ends with its `error`). Text is encoded here, as a rank would, for `prompt_token_ids`."""
+        params = params or SamplingParams()
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) and self.tokenizer is not None else p
+                   for p in prompts]
+        ids = [self.client.submit(p, params) for p in prompts]
+        # text left over (no tokenizer) is refused by the rank: no token ids to report
+        return [Completion.from_outputs(request_id, [] if isinstance(p, str) else list(p),
+                                        self.client.stream(request_id), logprobs=params.logprobs is not None)
+                for request_id, p in zip(ids, prompts, strict=True)]
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer (None without tokenizer.json), loaded when `generate` first needs it."""
+        return Tokenizer(self.path) if (Path(self.path) / "tokenizer.json").is_file() else None
 
     def kv_metadata(self) -> list[bytes]:
         """The NIXL agent metadata of every DP rank (an instance made with `kv=True`)."""
@@ -221,18 +177,11 @@ class Instance:
 
     def stats(self) -> dict:
         """The instance's shape, gang restarts so far, and every member's counters."""
-        for attempt in (0, 1):
-            with self._lock:
-                members, generation = list(self.members), self.generation
-            try:
-                counters = ray.get([m.stats.remote() for m in members])
-                break
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                reason = self._fail(generation, e)  # found dead here: restart it, report the fresh gang
-                if attempt:
-                    raise InstanceError(f"{reason}; a fresh gang failed too, check the members' logs") from None
+        # a gang found dead here is restarted, and the fresh gang's counters reported
+        counters = retry_after_restart(self._gang.current, lambda members: ray.get([m.stats.remote() for m in members]),
+                                       self._gang.fail)
         return {"name": self.name, "shape": self.shape, "restarts": self.generation,
-                "failures": list(self._failures.values()), "members": counters}
+                "failures": self._gang.failures, "members": counters}
 
     def ping(self) -> list[dict]:
         """Every member's liveness and whereabouts (see `GangMember.ping`)."""
@@ -241,12 +190,6 @@ class Instance:
     def shutdown(self) -> None:
         """Stop every member (one that already died is skipped) and release them; a stream still
         open ends with an `InstanceError`."""
-        with self._lock:
-            self.client.close()  # first: the output pumps then end with their members, restarting nothing
-            for member in self.members:
-                try:
-                    ray.get(member.shutdown.remote())
-                except ray.exceptions.RayActorError:
-                    pass
-            self._kill()
-            self.client.end_streams(self.generation, None, f"{self.shape} instance {self.name!r} was shut down")
+        self.client.close()  # first: the output pumps then end with their members, restarting nothing
+        generation = self._gang.shutdown()
+        self.client.end_streams(generation, None, f"{self.shape} instance {self.name!r} was shut down")

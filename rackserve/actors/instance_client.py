@@ -1,6 +1,6 @@
 """`InstanceClient`: the request side of one instance, usable from any process that has its handles.
 
-The instance's owner (`Instance`, which creates, restarts and stops the gang) holds one for its own
+The instance's owner (`Instance`, whose `GangSupervisor` starts, restarts and stops the gang) holds one for its own
 Python API; every ingress replica holds one per instance, built from handles the owner hands out.
 A client submits to a DP rank (waking the rest of the gang so that it steps too), streams the
 outputs of its own requests from its own output pump per DP rank, and aborts them. Each client is a
@@ -8,18 +8,22 @@ separate *consumer* of the ranks' outputs (`DPRank.poll_all`), so many clients s
 seeing each other's requests, and outputs go straight from the rank to the process that streams
 them.
 
+Routing: a request goes to the DP rank streaming the fewest of this client's requests, unless the
+caller names one.
+
 Outputs: a pump thread per DP rank this client has submitted to long-polls the rank for the outputs
-of all of this client's requests there and puts each request's into its stream, which `stream` and
-`astream` read; so a rank answers one poll per client at a time however many requests it runs.
+of all of this client's requests there and puts each request's into its `OutputStream`, which
+`stream` and `astream` read; so a rank answers one poll per client at a time however many requests
+it runs.
 
 Faults: a call or poll that finds the gang failed asks the owner (`GangOwner.gang_failed`) to
 restart it (once, however many clients find it), ends the streams of that gang's requests with the
-owner's reason, and takes the fresh gang's handles (`GangOwner.members_of`).
+owner's reason, and takes the fresh gang's handles (`GangOwner.members_of`); a submit is then
+retried on the fresh gang (`faults.retry_after_restart`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -28,13 +32,11 @@ from typing import Protocol
 
 import ray
 
-from rackserve.engine import SamplingParams
+from rackserve.actors.faults import GANG_ERRORS, InstanceError, retry_after_restart
+from rackserve.actors.output_stream import OutputStream
+from rackserve.engine import RequestOutput, SamplingParams
 
 POLL_TIMEOUT_S = 1.0  # an output pump's long-poll: an idle DP rank answers one poll per second
-
-
-class InstanceError(RuntimeError):
-    """The instance's gang failed under a request; the message names the member and what to do."""
 
 
 class GangOwner(Protocol):
@@ -48,56 +50,6 @@ class GangOwner(Protocol):
         one; why it failed, for the requests it lost."""
 
 
-class _Stream:
-    """One request's outputs on their way to its reader: the output pump of its DP rank (a thread)
-    puts them, `InstanceClient.stream` takes them blocking, `astream` awaiting (the pump wakes its
-    event loop). A stream ends with a finished output or an `InstanceError`."""
-
-    def __init__(self, rank: int, generation: int):
-        self.rank, self.generation = rank, generation
-        self._items: list = []  # output dicts, maybe an InstanceError last
-        self._ready = threading.Condition()
-        self._loop: asyncio.AbstractEventLoop | None = None  # an asyncio reader's, from its first take
-        self._event: asyncio.Event | None = None
-
-    def put(self, items: list) -> None:
-        with self._ready:
-            self._items += items
-            self._ready.notify()
-            loop = self._loop
-        if loop is not None:
-            try:
-                loop.call_soon_threadsafe(self._event.set)
-            except RuntimeError:  # the reader's event loop is closed: nobody waits
-                pass
-
-    def take(self) -> list[dict]:
-        """The outputs put since the last take (waits for one); raises the error that ended the stream."""
-        with self._ready:
-            self._ready.wait_for(lambda: self._items)
-            return self._pop()
-
-    async def atake(self) -> list[dict]:
-        """`take` for an asyncio reader: awaits instead of blocking its event loop."""
-        with self._ready:
-            if self._loop is None:
-                self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
-        while True:
-            with self._ready:
-                if self._items:
-                    self._event.clear()  # sets still queued are for the items taken here
-                    return self._pop()
-            await self._event.wait()
-
-    def _pop(self) -> list[dict]:
-        """The outputs before the first error (the error stays, for the next take), or that error."""
-        end = next((i for i, item in enumerate(self._items) if isinstance(item, InstanceError)), len(self._items))
-        if end == 0:
-            raise self._items[0]
-        outs, self._items = self._items[:end], self._items[end:]
-        return outs
-
-
 class InstanceClient:
     def __init__(self, name: str, dep: int, owner: GangOwner, shape: str = "", consumer: str | None = None):
         """The request side of instance `name` (`dep` DP ranks, members `0 … dep-1` of its gang) whose
@@ -107,7 +59,7 @@ class InstanceClient:
         self._lock = threading.Lock()  # the view (generation, members) and the pumps running
         self.generation, self.members = owner.members_of(name)
         self._pumps: set[tuple[int, int]] = set()  # (generation, DP rank) with a pump running
-        self._streams: dict[str, _Stream] = {}  # request id -> its outputs' stream (DP rank, gang generation)
+        self._streams: dict[str, OutputStream] = {}  # request id -> its outputs' stream (DP rank, gang generation)
         self._streams_lock = threading.Lock()  # held only to read or change `_streams`, never across a call
         self._closed = False
 
@@ -150,29 +102,32 @@ class InstanceClient:
         whole gang; `own`: stream the request from here (it counts in the rank's load). The lock is
         held only to choose: the call waits for the rank's next step boundary (a reservation), and
         concurrent submits must reach the rank in the same step, not one per step."""
-        for attempt in (0, 1):
+
+        def choose() -> tuple[int, tuple[list, int]]:
             with self._lock:
                 generation, members = self.generation, self.members
                 at = self._least_loaded() if rank is None else rank
                 if own:  # counted before the call, so that concurrent submits spread over the ranks
                     with self._streams_lock:
-                        self._streams[request_id] = _Stream(at, generation)
+                        self._streams[request_id] = OutputStream(at, generation)
                     self._start_pump(generation, at)
+            return generation, (members, at)
+
+        def call(chosen: tuple[list, int]):
+            members, at = chosen
             target = members[at]
             extra = {"consumer": self.consumer} if own else {}
             try:  # every member must resume stepping with it
                 result, *_ = ray.get([getattr(target, method).remote(request_id, *args, **extra)] +
                                      [m.wake.remote() for m in members if m is not target])
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            except GANG_ERRORS as e:
                 self._forget(request_id)
                 if isinstance(getattr(e, "cause", None), ValueError):
                     raise e.cause from None  # the rank refused this request (e.g. too long): not the gang's fault
-                reason = self._failed(generation, e)
-                if attempt:
-                    raise InstanceError(f"{reason}; a fresh gang failed too, check the members' logs") from None
-                continue
+                raise
             return result
-        raise AssertionError("unreachable")
+
+        return retry_after_restart(choose, call, self._failed)
 
     def _least_loaded(self) -> int:
         """The DP rank streaming the fewest of this client's requests of the current gang (under `_lock`)."""
@@ -182,37 +137,26 @@ class InstanceClient:
                 loads[stream.rank] += stream.generation == self.generation
         return loads.index(min(loads))
 
-    def stream(self, request_id: str) -> Iterator[dict]:
-        """The request's outputs as they come: dicts with new_text, new_token_ids, finished, …;
-        raises `InstanceError` if the gang fails under it."""
-        outputs = self._stream_of(request_id)
+    def stream(self, request_id: str) -> Iterator[RequestOutput]:
+        """The request's outputs as they come; raises `InstanceError` if the gang fails under it."""
         try:
-            while True:
-                outs = outputs.take()
-                yield from outs
-                if outs[-1]["finished"]:
-                    return
+            yield from self._stream_of(request_id).outputs()
         finally:
             self._forget(request_id)
 
-    async def astream(self, request_id: str) -> AsyncIterator[dict]:
+    async def astream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """`stream` for asyncio callers (an HTTP server): awaits outputs without blocking the event loop."""
-        outputs = self._stream_of(request_id)
         try:
-            while True:
-                outs = await outputs.atake()
-                for out in outs:
-                    yield out
-                if outs[-1]["finished"]:
-                    return
+            async for out in self._stream_of(request_id).aoutputs():
+                yield out
         finally:
             self._forget(request_id)
 
-    def _stream_of(self, request_id: str) -> _Stream:
+    def _stream_of(self, request_id: str) -> OutputStream:
         with self._streams_lock:
             return self._streams[request_id]
 
-    def _forget(self, request_id: str) -> _Stream | None:
+    def _forget(self, request_id: str) -> OutputStream | None:
         with self._streams_lock:
             return self._streams.pop(request_id, None)
 
@@ -229,20 +173,6 @@ class InstanceClient:
                 ray.get(members[rank].abort.remote(request_id))
             except ray.exceptions.RayActorError:
                 pass
-
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[dict]:
-        """Run prompts to completion across the ranks: per prompt, its token ids, text and finish
-        reason (the error message for input the engine refused)."""
-        ids = [self.submit(p, params) for p in prompts]
-        results = []
-        for request_id in ids:
-            tokens, text, reason = [], "", None
-            for out in self.stream(request_id):
-                tokens += out["new_token_ids"]
-                text += out["new_text"]
-                reason = out.get("error") or out["finish_reason"]
-            results.append({"token_ids": tokens, "text": text, "finish_reason": reason})
-        return results
 
     # ---- outputs ----------------------------------------------------------------------------------------
     def _start_pump(self, generation: int, rank: int) -> None:

@@ -81,11 +81,9 @@ def add_parser(sub) -> None:
 def sweep(args: argparse.Namespace) -> int:
     """`bench run` (one level) and `bench sweep`."""
     import asyncio
+    import contextlib
 
-    import ray
-
-    from rackserve.actors.cluster import local_ray
-    from rackserve.bench import runner
+    from rackserve.bench import runner, script
 
     if args.png_dir:  # before the sweep: a missing matplotlib should not cost a whole sweep
         from rackserve.bench import plot as curves
@@ -98,27 +96,19 @@ def sweep(args: argparse.Namespace) -> int:
     # a rank may hold a whole level: its running batch and step token budget follow the largest
     engine = {"max_num_seqs": max(32, max(levels)), "max_num_batched_tokens": max(512, 2 * max(levels)),
               **args.engine}
-    started_ray = args.url is None and not ray.is_initialized()
-    if started_ray and args.address:
-        ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
-    elif started_ray:
-        local_ray()
-    try:
+    with contextlib.nullcontext() if args.url else script.ray_cluster(args.address):  # --url: no Ray here
         points = [p for config in args.config or ["pd:1xDEP1:1xDEP1"]
                   for p in asyncio.run(runner.sweep_config(config, spec, levels, url=args.url, model=args.model,
                                                            engine=engine, price_per_gpu_hour=args.price,
                                                            repeats=args.repeats, api_key=args.api_key,
                                                            tokenizer=args.tokenizer))]
-    finally:
-        if started_ray:
-            ray.shutdown()
     doc = runner.results(spec, points, args.price)
     print(runner.table(points))
     print(f"\nwrote {runner.write_json(args.out, doc)}")
     if args.png_dir:
         for path in curves.draw(doc["points"], args.png_dir, doc["workload"]):
             print(f"wrote {path}")
-    print(json.dumps({"bench": "harness", "results": args.out, "configs": runner.headline(points)}))
+    script.headline({"bench": "harness", "results": args.out, "configs": runner.headline(points)})
     return 0
 
 

@@ -12,8 +12,6 @@ The last line is one JSON object with the headline figures.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import multiprocessing as mp
 import os
@@ -24,6 +22,7 @@ from functools import partial
 
 import numpy as np
 
+from rackserve.bench import script
 from rackserve.collective import RendezvousServer, join, listen
 
 _BLOCK = 25  # calls per implementation before switching to the other one
@@ -126,13 +125,12 @@ def loopback_rtt_us(iters: int = 3000) -> float:
     return float(np.median(samples[iters // 10:])) / 1000.0
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="2,4,8,16", help="group sizes P, comma-separated")
+def main(argv: list[str] | None = None) -> dict:
+    parser = script.parser(__doc__)
+    parser.add_argument("--sizes", type=script.int_list, default="2,4,8,16", help="group sizes P, comma-separated")
     parser.add_argument("--iters", type=int, default=200, help="timed calls per payload")
     parser.add_argument("--warmup", type=int, default=20, help="untimed calls per payload first")
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
 
     cpus = os.cpu_count() or 1
     rtt = loopback_rtt_us()
@@ -148,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     print("-" * len(header))
     summary = {"bench": "collective", "cpus": cpus, "rtt_us": round(rtt, 1), "iters": args.iters}
-    for world in sizes:
+    for world in args.sizes:
         stats = run_group(world, args.iters, args.warmup)
         floor = rtt * math.log2(world)
         for i, name in enumerate(payloads(world)):
@@ -161,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
                 summary[f"p{world}_gloo_p50_us"] = round(gloo[0], 1)
                 summary[f"p{world}_gloo_p99_us"] = round(gloo[1], 1)
                 summary[f"p{world}_speedup"] = round(gloo[0] / ours[0], 2)
-    print(json.dumps(summary))
+    return script.headline(summary)
 
 
 if __name__ == "__main__":

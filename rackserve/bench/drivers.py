@@ -50,14 +50,14 @@ class PythonDriver:
             request_id = await asyncio.to_thread(self.target.submit, prompt, params, session)
             async for out in self.target.astream(request_id):
                 now = time.perf_counter()
-                if out.get("error"):
-                    error = out["error"]
+                if out.error:
+                    error = out.error
                     break
-                if out["new_token_ids"]:
+                if out.new_token_ids:
                     first, last = first or now, now
-                    answer += out["new_token_ids"]
-                prompt_tokens = out.get("num_prompt_tokens") or prompt_tokens
-                cached = out.get("num_cached_tokens", cached)
+                    answer += out.new_token_ids
+                prompt_tokens = out.num_prompt_tokens or prompt_tokens
+                cached = out.num_cached_tokens
         except Exception as e:  # a failed request is counted, not fatal to the run
             error = f"{type(e).__name__}: {e}"
         return _record(t_send, first, last, prompt_tokens, cached, len(answer), error), answer

@@ -11,13 +11,12 @@ handling, i.e. everything but the model forward). The machine is shared and nois
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from rackserve.bench import script
 from rackserve.engine import LLM, SamplingParams
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
 
@@ -39,7 +38,7 @@ class _TimedModel:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script.parser(__doc__)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--isl", type=int, default=256)
     parser.add_argument("--osl", type=int, default=128)
@@ -98,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "engine", "requests": args.requests, "isl": args.isl, "osl": args.osl, "batch": args.batch,
               "ours_tok_s": round(ours_tps, 1), "ref_tok_s": round(ref_tps, 1),
               "speedup": round(ours_tps / ref_tps, 2), "host_share_decode": round(host, 3)}
-    print(json.dumps(result))
-    return result
+    return script.headline(result)
 
 
 if __name__ == "__main__":

@@ -21,23 +21,17 @@ Times are medians over ``repeats`` calls on this CPU. 64 ranks skip 288 slots (n
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from functools import partial
 
 import numpy as np
 
+from rackserve.bench import script
 from rackserve.placement.eplb import balancedness, greedy_reference, moved_slots, rebalance
+from rackserve.sim.experts import popularity
 
 CONFIGS = [(32, 256), (32, 288), (32, 320), (64, 256), (64, 320)]  # (ranks, slots)
 GROUPS, RANKS_PER_NODE = 8, 8
-
-
-def popularity(layers: int, experts: int, zipf: float, rng: np.random.Generator) -> np.ndarray:
-    """[L, E] log-probabilities: Zipf over a per-layer shuffle of the experts."""
-    logp = -zipf * np.log(np.arange(1, experts + 1))
-    return np.stack([rng.permutation(logp) for _ in range(layers)])
 
 
 def sample_load(logp: np.ndarray, tokens: int, topk: int, rng: np.random.Generator) -> np.ndarray:
@@ -65,8 +59,8 @@ def timed(call, repeats: int):
     return result, float(np.median(times))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> dict:
+    parser = script.parser(__doc__)
     parser.add_argument("--layers", type=int, default=43)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=8192)
@@ -74,7 +68,7 @@ def main() -> None:
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     rng = np.random.default_rng(args.seed)
     logp = popularity(args.layers, args.experts, args.zipf, rng)
@@ -119,7 +113,7 @@ def main() -> None:
         summary.update({f"{key}_kept": round(scores[0], 4), f"{key}_current": round(scores[2], 4),
                         f"{key}_moved_fresh": moved[0], f"{key}_moved_current": moved[1],
                         f"{key}_current_ms": round(after_ms, 1)})
-    print(json.dumps(summary))
+    return script.headline(summary)
 
 
 if __name__ == "__main__":

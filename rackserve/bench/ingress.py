@@ -53,9 +53,7 @@ The last line of output is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import math
 import os
 import statistics
@@ -69,8 +67,8 @@ import httpx
 import ray
 from ray import serve
 
-from rackserve.actors.cluster import local_ray
 from rackserve.actors.deployment_client import DeploymentClient
+from rackserve.bench import script
 from rackserve.bench.drivers import completion_stream
 from rackserve.bench.instance import workload
 from rackserve.bench.metrics import percentile
@@ -113,11 +111,11 @@ async def _python_request(dep: DeploymentClient, prompt: list[int], osl: int) ->
         request_id = await asyncio.to_thread(dep.submit, prompt, _params(osl))
         async for out in dep.astream(request_id):
             now = time.perf_counter()
-            if out.get("error"):
-                error = out["error"]
+            if out.error:
+                error = out.error
                 break
-            tokens += len(out["new_token_ids"])
-            if out["new_token_ids"] and (out["new_text"] or out["finished"]):  # what the server sends as a chunk
+            tokens += len(out.new_token_ids)
+            if out.new_token_ids and (out.new_text or out.finished):  # what the server sends as a chunk
                 first, chunks = first or now, chunks + 1
     except Exception as e:  # a failed request is counted, not fatal to the run
         error = f"{type(e).__name__}: {e}"
@@ -284,7 +282,7 @@ def summarize(measured: dict[str, dict], args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = script.parser(__doc__)
     ap.add_argument("--requests", type=int, default=256, help="requests per batch (one batch per path per round)")
     ap.add_argument("--concurrency", type=int, default=64, help="concurrent clients (streams in flight)")
     ap.add_argument("--isl", type=int, default=16, help="prompt length (token ids)")
@@ -298,18 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
     if min(args.requests, args.concurrency, args.osl, args.isl, args.repeats) < 1:
         ap.error("--requests, --concurrency, --isl, --osl and --repeats must be ≥ 1")
 
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        local_ray()
-    started_serve = not serve.status().proxies
-    try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": args.port})
+    with script.ray_cluster(), script.serve_proxy(args.port):
         measured, times = time_paths(args)
-    finally:
-        if started_serve:
-            serve.shutdown()
-        if started_ray:
-            ray.shutdown()
     summary = summarize(measured, args)
 
     print(f"{args.requests} requests per batch from {args.concurrency} concurrent clients, ISL {args.isl}, "
@@ -340,8 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
     if summary["replicas_seen_http2"] < 2:
         print("warning: the proxy sent every http2 request to one replica (a multi-node cluster's proxy prefers "
               "replicas on its own node; see the module docstring)")
-    print(json.dumps(summary))
-    return summary
+    return script.headline(summary)
 
 
 if __name__ == "__main__":

@@ -19,15 +19,12 @@ runs 4 processes on 2 cores: compare shares, not absolute speed.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
-import ray
 import torch
 
-from rackserve.actors.cluster import local_ray
 from rackserve.actors.instance import Instance
+from rackserve.bench import script
 from rackserve.engine import LLM, SamplingParams
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
 
@@ -54,7 +51,7 @@ def run_instance(dep: int, prompts: list[list[int]], params: SamplingParams, bat
         after = inst.stats()["members"]
     finally:
         inst.shutdown()
-    tokens = sum(len(o["token_ids"]) for o in outs)
+    tokens = sum(len(o.token_ids) for o in outs)
     steps = after[0]["steps"] - before[0]["steps"]
     per_step = {name: 1e3 * sum(a["phases"].get(name, 0.0) - b["phases"].get(name, 0.0)
                                 for a, b in zip(after, before, strict=True)) / dep / steps for name in PHASES}
@@ -71,25 +68,22 @@ def run_single(prompts: list[list[int]], params: SamplingParams, batch: int) -> 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dep", default="1,2,4", help="comma-separated DEP sizes")
+    ap = script.parser(__doc__)
+    ap.add_argument("--dep", type=script.int_list, default="1,2,4", help="comma-separated DEP sizes")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--isl", type=int, default=64)
     ap.add_argument("--osl", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16, help="max running requests per DP rank")
     args = ap.parse_args(argv)
-    sizes = [int(x) for x in args.dep.split(",")]
     prompts = workload(args.requests, args.isl)
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
-    if not ray.is_initialized():
-        local_ray()
-
-    single = run_single(prompts, params, args.batch)
-    results = {dep: run_instance(dep, prompts, params, args.batch) for dep in sizes}
+    with script.ray_cluster():  # the baseline too runs beside the cluster's idle processes
+        single = run_single(prompts, params, args.batch)
+        results = {dep: run_instance(dep, prompts, params, args.batch) for dep in args.dep}
 
     print(f"{args.requests} requests, ISL {args.isl}, OSL {args.osl}, up to {args.batch} running per DP rank; "
           f"tiny model, fp32, CPU")
-    print(f"\n{'':22}" + "".join(f"{'DEP' + str(d):>10}" for d in sizes) + f"{'1 process':>11}")
+    print(f"\n{'':22}" + "".join(f"{'DEP' + str(d):>10}" for d in args.dep) + f"{'1 process':>11}")
     print(f"{'output tokens/s':22}" + "".join(f"{r['tok_s']:10.1f}" for r in results.values()) + f"{single:11.1f}")
     print(f"{'steps':22}" + "".join(f"{r['steps']:10d}" for r in results.values()))
     print(f"{'step (ms)':22}" + "".join(f"{r['step_ms']:10.2f}" for r in results.values()))
@@ -103,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
         summary[f"dep{dep}_tok_s"] = round(r["tok_s"], 1)
         summary[f"dep{dep}_step_ms"] = round(r["step_ms"], 2)
         summary[f"dep{dep}_host_sync_share"] = round(r["phases"]["host sync"] / r["step_ms"], 3)
-    print(json.dumps(summary))
-    return summary
+    return script.headline(summary)
 
 
 if __name__ == "__main__":

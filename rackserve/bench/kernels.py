@@ -11,14 +11,14 @@ the correctness part on small shapes under the Triton interpreter and says timin
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from rackserve.bench import script
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -129,8 +129,8 @@ def max_error(a, b) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", default="8,64,256", help="tokens per op, comma-separated")
+    parser = script.parser(__doc__)
+    parser.add_argument("--batch", type=script.int_list, default="8,64,256", help="tokens per op, comma-separated")
     parser.add_argument("--small", action="store_true", help="tiny shapes (default on CPU)")
     args = parser.parse_args(argv)
     from rackserve.kernels import dispatch
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda" if CUDA else "cpu"
     small = args.small or not CUDA
     dtype = torch.bfloat16 if CUDA else torch.float32
-    batches = [int(b) for b in args.batch.split(",")] if CUDA else [3, 17]
+    batches = args.batch if CUDA else [3, 17]
     if CUDA:
         bw, tflops = ceilings(device)
         print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s (measured)")
@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
                 line += f" {'-':>9} {'-':>9} {'-':>8} {f'{time.perf_counter() - t0:.1f}s interp':>16}"
             result[f"{case.op}_T{batch}_max_err"] = float(f"{err:.2e}")
             print(line)
-    print(json.dumps(result))
-    return result
+    return script.headline(result)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ size, for the tiny model and a V4-Flash-class config. The last line is one JSON 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -40,7 +39,7 @@ import numpy as np
 import ray
 import torch
 
-from rackserve.actors.cluster import local_ray
+from rackserve.bench import script
 from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.models.deepseek_v4.state import ModelState
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
@@ -181,21 +180,15 @@ def state_sizes() -> list[tuple[str, str, ModelState]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="1,4,8,16,32,64,128,256", help="state sizes in MiB, comma-separated")
+    parser = script.parser(__doc__)
+    parser.add_argument("--sizes", type=script.int_list, default="1,4,8,16,32,64,128,256",
+                        help="state sizes in MiB, comma-separated")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per size; medians reported")
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
 
-    memcpy = memcpy_times(sizes, args.repeats)  # before any agent polls a core
-    started = not ray.is_initialized()
-    if started:  # 1 GiB of object store: room for a 256 MiB object and the next one
-        local_ray(object_store_memory=1 << 30)
-    try:
-        times, idle_cores = transfer_times(sizes, args.repeats)
-    finally:
-        if started:
-            ray.shutdown()
+    memcpy = memcpy_times(args.sizes, args.repeats)  # before any agent polls a core
+    with script.ray_cluster(object_store_memory=1 << 30):  # room for a 256 MiB object and the next one
+        times, idle_cores = transfer_times(args.sizes, args.repeats)
 
     print(f"one request's state, sender actor -> receiver actor on one host ({os.cpu_count()} CPU cores, "
           f"memcpy on 1 torch thread); median of {args.repeats} rounds")

@@ -10,14 +10,13 @@ the machine is shared and noisy, so read the ratio rather than the absolute time
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from rackserve.bench import script
 from rackserve.engine.state_cache import StateCache
 from rackserve.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardBatch, load_model
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
@@ -91,7 +90,7 @@ def model_steps(model: DeepseekV4ForCausalLM, ids: torch.Tensor, next_ids: torch
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script.parser(__doc__)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--iters", type=int, default=5)
@@ -137,8 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         "decode_ref_ms": round(rows[1][2], 2),
         "decode_speedup": round(rows[1][2] / rows[1][1], 2),
     }
-    print(json.dumps(result))
-    return result
+    return script.headline(result)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,10 @@ The last line is one JSON object with the headline figures.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
+from rackserve.bench import script
 from rackserve.placement import GpuId, Instance, InstanceGroup, PlacementSpec, Plan, Topology, plan
 
 # (role, instances per rack-equivalent, DEP size), in the order a user lists them.
@@ -59,9 +58,10 @@ def measure(planner, topology: Topology, spec: PlacementSpec, repeats: int) -> d
             "split_small": split, "instances": len(result.instances)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--racks", default="1,10,100", help="rack-equivalents of the mix (comma list)")
+def main(argv: list[str] | None = None) -> dict:
+    parser = script.parser(__doc__)
+    parser.add_argument("--racks", type=script.int_list, default="1,10,100",
+                        help="rack-equivalents of the mix (comma list)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     mix = ", ".join(f"{n} x {role} DEP{size}" for role, n, size in MIX)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     print("-" * len(header))
     headline = {"mix": mix}
-    for n in (int(x) for x in args.racks.split(",")):
+    for n in args.racks:
         topology, spec = Topology.nvl72(2 * n), mix_spec(n)
         rows = {"rackserve": measure(plan, topology, spec, args.repeats),
                 "naive first-fit": measure(naive_first_fit, topology, spec, args.repeats)}
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                              "naive_racks_used": naive["racks_used"], "stranded_gpus": ours["stranded_gpus"],
                              "naive_stranded_gpus": naive["stranded_gpus"], "idle_gpus": ours["idle_gpus"],
                              "naive_idle_gpus": naive["idle_gpus"]}
-    print(json.dumps(headline))
+    return script.headline(headline)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,7 @@ noisy: read the ratios rather than the absolute times.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from rackserve.bench import script
 from rackserve.bench.model import median_ms, model_steps, request_ids
 from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.kernels.block_scaled import (FP4_GROUP, fp8_linear_torch, fp8_linear_triton, moe_ffn_quantized_torch,
@@ -164,7 +163,7 @@ def time_kernels(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script.parser(__doc__)
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens of the prefill and of each decode "
                         "request's history")
     parser.add_argument("--batch", type=int, default=32, help="requests in the decode step")
@@ -198,8 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         print("kernel timings (FP8 linears, FP4-expert MoE at V4-Flash shapes) need a GPU; their correctness is "
               "covered by tests/test_kernels_block_scaled.py")
-    print(json.dumps(result))
-    return result
+    return script.headline(result)
 
 
 if __name__ == "__main__":

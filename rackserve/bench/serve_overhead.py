@@ -33,7 +33,6 @@ one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -42,8 +41,8 @@ import httpx
 import ray
 from ray import serve
 
-from rackserve.actors.cluster import local_ray
 from rackserve.actors.deployment import Deployment
+from rackserve.bench import script
 from rackserve.bench.instance import workload
 from rackserve.bench.metrics import percentile
 from rackserve.engine import SamplingParams
@@ -71,9 +70,9 @@ def _python_request(dep: Deployment, prompt: list[int], osl: int) -> tuple[float
     t0 = time.perf_counter()
     for out in dep.stream(dep.submit(prompt, params)):
         now = time.perf_counter()
-        tokens += len(out["new_token_ids"])
+        tokens += len(out.new_token_ids)
         # the outputs the server turns into chunks (see `_Reply.add` in rackserve.serve.app)
-        if out["new_token_ids"] and (out["new_text"] or out["finished"]):
+        if out.new_token_ids and (out.new_text or out.finished):
             events.append(now)
     return t0, events, tokens
 
@@ -141,7 +140,7 @@ def time_paths(prompts: list[list[int]], osl: int, ports: dict[str, int]) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = script.parser(__doc__)
     ap.add_argument("--requests", type=int, default=20, help="timed requests per side, one at a time")
     ap.add_argument("--isl", type=int, default=32, help="prompt length (token ids)")
     ap.add_argument("--osl", type=int, default=16, help="generated tokens per request (EOS ignored)")
@@ -152,23 +151,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     prompts = workload(args.requests + 1, args.isl, seed=0)  # the first is the warm-up
 
-    started_ray = not ray.is_initialized()
     direct_port = args.direct_port
-    if started_ray:
+    if not ray.is_initialized():  # the cluster started below: for direct ingress too (it inherits this)
         direct_port = direct_port or args.port + 1
-        os.environ.update(ingress.direct_ingress_env(direct_port, load_balanced=False))  # the cluster below inherits it
-        local_ray()
-    started_serve = not serve.status().proxies
+        os.environ.update(ingress.direct_ingress_env(direct_port, load_balanced=False))
     ports = {"proxy": args.port, **({"direct": direct_port} if direct_port else {})}
-    try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": args.port})
+    with script.ray_cluster(), script.serve_proxy(args.port):
         http = time_paths(prompts, args.osl, ports)
-        python = http.pop("python")
-    finally:
-        if started_serve:
-            serve.shutdown()
-        if started_ray:
-            ray.shutdown()
+    python = http.pop("python")
 
     print(f"{args.requests} sequential requests per path, ISL {args.isl}, OSL {args.osl}, greedy; tiny model, "
           f"{SHAPE['prefill']} prefill + {SHAPE['decode']} decode + {SHAPE['kv_stores']} KV store, CPU")
@@ -201,8 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary["ttft_overhead_under_10ms"] = summary[f"ttft_overhead_{best}_p50_ms"] < TARGET_MS
     print(f"\nTTFT overhead (p50) under {TARGET_MS:.0f} ms: {'yes' if summary['ttft_overhead_under_10ms'] else 'no'} "
           f"({best} ingress, {summary[f'ttft_overhead_{best}_p50_ms']:.2f} ms)")
-    print(json.dumps(summary))
-    return summary
+    return script.headline(summary)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ warm-up; all runs produce the same tokens. The machine may be shared and noisy: 
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from rackserve.bench import script
 from rackserve.engine import LLM, SamplingParams
 
 KS = (0, 1, 2, 3)
@@ -32,20 +31,19 @@ def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[fl
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script.parser(__doc__)
     parser.add_argument("--isl", type=int, default=32)
     parser.add_argument("--osl", type=int, default=48)
-    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--batches", type=script.int_list, default="1,8,64")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration; the median is reported")
     args = parser.parse_args(argv)
-    batches = [int(b) for b in args.batches.split(",")]
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     rows = []
     print(f"ISL {args.isl}, OSL {args.osl}, greedy; tiny model, fp32, {torch.get_num_threads()} CPU threads")
     print(f"{'batch':>5} {'k':>2} {'draft':>7} {'seconds':>8} {'tok/s/user':>11} {'tok/s':>8} {'speedup':>8} "
           f"{'accepted/step':>14}  acceptance per position")
-    for batch in batches:
+    for batch in args.batches:
         prompts = torch.randint(2, 512, (batch, args.isl), generator=g).tolist()
         engine_kwargs = dict(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 5),
                              max_model_len=args.isl + args.osl + 8, prefix_caching=False)
@@ -79,8 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{batch:>5} {k:>2} {draft:>7} {seconds:>8.2f} {row['tok_s_user']:>11.1f} {row['tok_s']:>8.1f} "
                       f"{row['speedup']:>7.2f}x {row['mean_accepted']:>14.2f}  {row['acceptance']}")
     result = {"bench": "speculative", "isl": args.isl, "osl": args.osl, "rows": rows}
-    print(json.dumps(result))
-    return result
+    return script.headline(result)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ The machine is shared and noisy: read ratios and medians. The last line is one J
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from rackserve.bench import script
 from rackserve.bench.model import median_ms, model_steps, request_ids
 from rackserve.config import STATE_DTYPES
 from rackserve.models.deepseek_v4.config import ModelConfig
@@ -110,7 +109,7 @@ def push_table(summary: dict, tokens: int, repeats: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script.parser(__doc__)
     parser.add_argument("--context", type=int, default=1024, help="tokens each decoding request holds")
     parser.add_argument("--batch", type=int, default=8, help="requests in the decode step")
     parser.add_argument("--iters", type=int, default=5, help="timed decode steps; medians reported")
@@ -121,8 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     byte_table(summary)
     decode_table(summary, args.context, args.batch, args.iters)
     push_table(summary, args.push_tokens, args.repeats)
-    print(json.dumps(summary))
-    return summary
+    return script.headline(summary)
 
 
 if __name__ == "__main__":

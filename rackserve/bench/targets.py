@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from rackserve.actors.deployment import Deployment
 from rackserve.actors.instance import Instance
-from rackserve.engine import SamplingParams
+from rackserve.engine import RequestOutput, SamplingParams
 from rackserve.placement import InstanceGroup
 
 
@@ -68,7 +68,7 @@ class Colocated:
         rank = zlib.crc32(session.encode()) % self.instance.dep if session is not None else None
         return self.instance.submit(prompt, params, rank=rank)
 
-    def astream(self, request_id: str) -> AsyncIterator[dict]:
+    def astream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         return self.instance.astream(request_id)
 
     def shutdown(self) -> None:

@@ -23,7 +23,7 @@ from rackserve.engine.state_cache import StateCache
 from rackserve.models.interface import ServingModel
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.timing import phase
-from rackserve.transfer.kv import KVAgent, KVReservation, RemoteRegion
+from rackserve.transfer.transport import KVReservation, KVTransport, RemoteRegion
 
 KV_POLL_S = 0.001  # how long an engine with nothing to run but transfers pending sleeps per step
 
@@ -34,11 +34,11 @@ class RequestError(ValueError):
 
 class Engine:
     def __init__(self, model: ServingModel, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig | None = None, gang: Gang | None = None, kv: KVAgent | None = None):
+                 config: EngineConfig | None = None, gang: Gang | None = None, kv: KVTransport | None = None):
         """`gang`: when this engine is one DP rank of an instance whose MoE layers exchange tokens
         (expert parallel), the other ranks to step in lockstep with; see `step`. `kv`: this rank's
-        NIXL agent, for prefilling requests for other ranks (`add_request(push_to=…)`) and decoding
-        requests other ranks prefilled (`reserve_push`)."""
+        transport agent (NIXL's `KVAgent`, or the in-process `LocalAgent`), for prefilling requests for
+        other ranks (`add_request(push_to=…)`) and decoding requests other ranks prefilled (`reserve_push`)."""
         self.model, self.tokenizer, self.gang = model, tokenizer, gang
         self.config = (config or EngineConfig()).resolve(model.config)
         c = self.config

@@ -1,4 +1,5 @@
-"""A rank's side of disaggregated prefill/decode: state pushed over NIXL (DESIGN.md, P/D).
+"""A rank's side of disaggregated prefill/decode: state pushed over a `KVTransport` (NIXL by default;
+DESIGN.md, P/D).
 
 Decode side: `reserve` sets a range of the rank's registered pool aside for a request whose prompt
 another rank prefills and answers where to WRITE it (`KVReservation`); `poll` reads the
@@ -7,9 +8,9 @@ failed or expired reservations into requests to prefill here instead (slower, ne
 `load` copies an arrived state into the request's slot and pages.
 
 Prefill side: `push` exports a prefilled request's state into the pool and starts the WRITE, with a
-notification ["pushed", request id, ok, first token, its logprobs, prompt tokens served by a prefix
-cache]; `progress` releases the pool ranges of finished WRITEs, and tells the decode rank at once
-when one fails.
+`Pushed` notification (the first token, its logprobs, prompt tokens served by a prefix cache);
+`progress` releases the pool ranges of finished WRITEs, and tells the decode rank at once when one
+fails (`PushFailed`). The notifications are `rackserve.transfer.messages`.
 
 With a KV store (`attach_store`, see `prefix_store.py`): `pull` READs a cached prefix of a new
 request before it is prefilled (it then waits in `incoming` like a pushed state); `put` WRITEs the
@@ -18,16 +19,19 @@ longest snapshotted prefix of a request into this rank's inbox at the store.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 
-import msgpack
-
 from rackserve.engine.request import Request, TokenLogprobs
 from rackserve.engine.state_cache import CacheHandle, StateCache
-from rackserve.transfer.kv import ALIGN, PUSH_MARGIN_S, KVAgent, KVReservation, RemoteRegion, Transfer, TransferError
+from rackserve.transfer.messages import Freed, Pushed, PushFailed, Put, Release, receive, send
 from rackserve.transfer.pool import RangeAllocator
+from rackserve.transfer.transport import (ALIGN, PUSH_MARGIN_S, KVReservation, KVTransport, RemoteRegion, Transfer,
+                                          TransferError)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,7 +92,7 @@ class Outgoing:
 
 
 class KVPort:
-    def __init__(self, agent: KVAgent, cache: StateCache, timeout_s: float):
+    def __init__(self, agent: KVTransport, cache: StateCache, timeout_s: float):
         self.agent, self.cache, self.timeout_s = agent, cache, timeout_s
         self.incoming: dict[str, Incoming] = {}  # in reservation order
         self.outgoing: list[Outgoing] = []
@@ -124,26 +128,26 @@ class KVPort:
         while self._quarantine and self._quarantine[0][0] <= now:
             self.agent.free(self._quarantine.popleft()[1])
         lost = []
-        for peer, message in self.agent.notifications():
-            kind, *fields = msgpack.unpackb(message)
-            if kind == "freed":
-                if self.store is not None and peer == self.store.agent:
-                    self.store.ranges.free(fields[0])
-                continue
-            request_id, ok, token, logprobs, num_cached = fields
-            inc = self.incoming.get(request_id)
-            if inc is None or inc.first is not None:  # a late answer to a reservation given up
-                continue
-            if ok:
-                inc.first = (token, _logprobs_from_wire(logprobs), num_cached)
-            else:
-                lost.append(self.cancel(request_id))
+        for peer, message in receive(self.agent.notifications()):
+            match message:
+                case Freed(offset) if self.store is not None and peer == self.store.agent:
+                    self._free_inbox_range(offset)
+                case Pushed() | PushFailed():
+                    inc = self.incoming.get(message.request_id)
+                    if inc is None or inc.first is not None:  # a late answer to a reservation given up
+                        continue
+                    if isinstance(message, Pushed):
+                        inc.first = (message.token, _logprobs(message), message.num_cached)
+                    else:
+                        lost.append(self.cancel(message.request_id))
+                case _:
+                    log.warning("ignored %s from %r: a rank expects no such notification from it", message, peer)
         for request_id, inc in list(self.incoming.items()):
             if inc.read is not None:
                 try:
                     if self.agent.poll(inc.read):
                         inc.read = None
-                        self.agent.notify(inc.source.agent, msgpack.packb(["release", inc.source.addr]))
+                        send(self.agent, inc.source.agent, Release(inc.source.addr))
                 except TransferError:
                     self.stats.pull_failures += 1
                     self.agent.free(inc.offset)
@@ -207,9 +211,9 @@ class KVPort:
         self.cache.state.export_into(prefix, self.agent.view(local, nbytes))
         inbox = self.store.inbox
         region = RemoteRegion(inbox.agent, inbox.addr + remote, nbytes, inbox.device, inbox.mem)
-        note = msgpack.packb(["put", remote, nbytes, req.token_ids[: prefix.num_tokens]])
+        note = Put(remote, nbytes, req.token_ids[: prefix.num_tokens])
         try:
-            transfer = self.agent.write(local, region, notif=note)
+            transfer = self.agent.write(local, region, notif=note.encode())
         except TransferError:
             self.agent.free(local)
             self.store.ranges.free(remote)
@@ -232,8 +236,6 @@ class KVPort:
         decode rank of `req.push_to`, with its first token."""
         res, handle = req.push_to, req.handle
         nbytes = self.cache.state.blob_nbytes(handle.num_tokens)
-        logprobs = req.logprobs[-1] if req.logprobs else None
-        note = ["pushed", req.request_id, True, req.token_ids[-1], _logprobs_to_wire(logprobs), req.num_cached]
         offset = None
         # a size mismatch means a differently configured decode rank; a late start could outlive the range
         if nbytes == res.region.nbytes and time.time() <= res.expires_at - PUSH_MARGIN_S:
@@ -243,7 +245,7 @@ class KVPort:
             return
         self.cache.state.export_into(handle, self.agent.view(offset, nbytes))
         try:
-            transfer = self.agent.write(offset, res.region, notif=msgpack.packb(note))
+            transfer = self.agent.write(offset, res.region, notif=_pushed(req).encode())
         except TransferError:
             self.agent.free(offset)
             self._push_failed(req.request_id, res.region.agent)
@@ -273,15 +275,26 @@ class KVPort:
 
     def _push_failed(self, request_id: str, peer: str) -> None:
         self.stats.push_failures += 1
-        try:  # the decode rank recomputes at once instead of waiting for the reservation to expire
-            self.agent.notify(peer, msgpack.packb(["pushed", request_id, False, None, None, 0]))
-        except Exception:  # noqa: BLE001 - an unreachable peer will let the reservation expire instead
-            pass
+        send(self.agent, peer, PushFailed(request_id))  # the decode rank recomputes at once, not at expiry
+
+    def _free_inbox_range(self, offset: int) -> None:
+        try:
+            self.store.ranges.free(offset)
+        except ValueError:
+            log.warning("ignored a Freed from the KV store %r: no put of ours is at offset %d", self.store.agent,
+                        offset)
 
 
-def _logprobs_to_wire(lp: TokenLogprobs | None) -> list | None:
-    return None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+def _pushed(req: Request) -> Pushed:
+    """What rides on the WRITE of `req`'s state: its first token, with that token's logprobs if it asked."""
+    lp = req.logprobs[-1] if req.logprobs else None
+    top = lp.top if lp is not None else []
+    return Pushed(req.request_id, req.token_ids[-1], lp.logprob if lp is not None else None, [t for t, _ in top],
+                  [p for _, p in top], req.num_cached)
 
 
-def _logprobs_from_wire(fields: list | None) -> TokenLogprobs | None:
-    return None if fields is None else TokenLogprobs(fields[0], fields[1], [tuple(t) for t in fields[2]])
+def _logprobs(message: Pushed) -> TokenLogprobs | None:
+    """The first token's logprobs, if the request asked for them."""
+    if message.logprob is None:
+        return None
+    return TokenLogprobs(message.token, message.logprob, list(zip(message.top_ids, message.top_logprobs)))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rackserve.config import EngineConfig
 from rackserve.engine.engine import Engine
-from rackserve.engine.request import Completion, Request, RequestOutput
+from rackserve.engine.request import Completion, RequestOutput
 from rackserve.engine.sampling import SamplingParams
 from rackserve.models import load_model, resolve
 from rackserve.models.tokenizer import Tokenizer
@@ -40,9 +40,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
         requests = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        outputs: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
         while self.engine.has_unfinished():
-            self.engine.step()
-        return [_completion(r) for r in requests]
+            for out in self.engine.step():
+                if out.request_id in outputs:  # not a request a `stream` left open
+                    outputs[out.request_id].append(out)
+        return [Completion.from_outputs(r.request_id, r.prompt_ids, outputs[r.request_id],
+                                        logprobs=r.params.logprobs is not None) for r in requests]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield each step's new tokens and text for one prompt (other queued work advances too).
@@ -66,9 +70,3 @@ def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]  # one prompt of token ids
     return prompts
 
-
-def _completion(req: Request) -> Completion:
-    text = req.detokenizer.text if req.detokenizer is not None else ""
-    return Completion(request_id=req.request_id, prompt_token_ids=req.prompt_ids, token_ids=req.output_ids,
-                      text=text, finish_reason=req.finish_reason or "abort", num_cached_tokens=req.num_cached,
-                      logprobs=req.logprobs if req.params.logprobs is not None else None)

@@ -1,30 +1,35 @@
 """A host-memory prefix cache shared by many ranks, reached over NIXL (the core of a KV-store actor).
 
 It is a `StateCache` (hash chains of full blocks, boundary snapshots, LRU eviction, a byte
-budget) in host memory behind a `KVAgent`:
+budget) in host memory behind a `KVTransport` (a `KVAgent` in the actor):
 
 * PUT: every writer rank gets an *inbox*, a range of the store's pool it sub-allocates itself. It
   WRITEs a prefix's state (a block boundary's snapshot + the prefix's pages, `PagedState.export_into`
-  layout) into its inbox with the notification ["put", offset, nbytes, token ids]; `poll` imports it,
-  registers its blocks and snapshot, and answers ["freed", offset] so the writer can reuse the range.
+  layout) into its inbox with the notification `Put`; `poll` imports it, registers its blocks and
+  snapshot, and answers `Freed` so the writer can reuse the range.
 * GET: `lookup(token_ids)` exports the longest cached prefix (ending in a snapshot) into a pinned
-  range and returns where it is; the reader READs it and sends ["release", address]. Pins expire
-  after `pin_ttl_s` in case a reader dies.
+  range and returns where it is; the reader READs it and sends `Release`. Pins expire after
+  `pin_ttl_s` in case a reader dies.
+
+The notifications are `rackserve.transfer.messages`; malformed or unexpected ones are logged and dropped.
 
 A missing or dead store only costs recomputation: readers and writers treat it as a cache.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
-import msgpack
 import torch
 
 from rackserve.engine.state_cache import StateCache
 from rackserve.models.interface import ModelSpec
-from rackserve.transfer.kv import KVAgent, RemoteRegion
+from rackserve.transfer.messages import Freed, Put, Release, receive, send
+from rackserve.transfer.transport import KVTransport, RemoteRegion
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,7 +43,7 @@ class StoreStats:
 
 
 class PrefixStore:
-    def __init__(self, config: ModelSpec, block_size: int, agent: KVAgent, memory_mb: float,
+    def __init__(self, config: ModelSpec, block_size: int, agent: KVTransport, memory_mb: float,
                  inbox_bytes: int, snapshot_share: float = 0.25, pin_ttl_s: float = 30.0, draft_layers: int = 0,
                  dtype: torch.dtype = torch.float32, state_dtype: str = "auto"):
         """`memory_mb` of cached state (blocks and snapshots; `snapshot_share` of it at most for
@@ -48,11 +53,14 @@ class PrefixStore:
         budget = int(memory_mb * 2**20)
         layout = dict(dtype=dtype, draft_layers=draft_layers, state_dtype=state_dtype)
         probe = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=0, device="meta", **layout)
-        snapshots = max(1, int(budget * snapshot_share) // probe.state.slot_bytes)
+        # a state without slot tensors (a plain KV cache) snapshots for free: at most one per cached block
+        slot_bytes = probe.state.slot_bytes
+        snapshots = max(1, int(budget * snapshot_share) // slot_bytes if slot_bytes else probe.num_pages)
         self.cache = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=snapshots, **layout)
         self.agent, self.inbox_bytes, self.pin_ttl_s = agent, inbox_bytes, pin_ttl_s
         self._inboxes: dict[str, int] = {}  # writer agent name -> offset of its inbox in the pool
-        self._pins: dict[int, float] = {}  # pool offset of a lookup result -> expiry (time.monotonic())
+        # a lookup result's region address (what its reader's Release names) -> (pool offset, expiry: time.monotonic())
+        self._pins: dict[int, tuple[int, float]] = {}
         self.stats = StoreStats()
 
     def add_writer(self, metadata: bytes) -> RemoteRegion:
@@ -81,24 +89,30 @@ class PrefixStore:
             self.cache.state.export_into(handle, self.agent.view(offset, self.cache.state.blob_nbytes(n)))
         finally:
             self.cache.free(handle)
-        self._pins[offset] = time.monotonic() + self.pin_ttl_s
+        region = self.agent.region(offset, self.cache.state.blob_nbytes(n))
+        self._pins[region.addr] = (offset, time.monotonic() + self.pin_ttl_s)
         self.stats.hits += 1
         self.stats.hit_tokens += n
-        return n, self.agent.region(offset, self.cache.state.blob_nbytes(n))
+        return n, region
 
     def poll(self) -> None:
         """Take in PUTs and releases; drop expired pins."""
-        for peer, message in self.agent.notifications():
-            kind, *fields = msgpack.unpackb(message)
-            if kind == "put" and peer in self._inboxes:
-                offset, nbytes, token_ids = fields
-                self._put(self._inboxes[peer] + offset, nbytes, token_ids)
-                self.agent.notify(peer, msgpack.packb(["freed", offset]))
-            elif kind == "release":
-                self._unpin(fields[0] - self.agent.pool.data_ptr())
+        for peer, message in receive(self.agent.notifications()):
+            match message:
+                case Put(offset, nbytes, token_ids) if peer in self._inboxes:
+                    if not 0 <= offset <= self.inbox_bytes - nbytes:
+                        log.warning("ignored %s from %r: it is not inside its %d-byte inbox", message, peer,
+                                    self.inbox_bytes)
+                        continue
+                    self._put(self._inboxes[peer] + offset, nbytes, token_ids)
+                    send(self.agent, peer, Freed(offset))
+                case Release(addr):
+                    self._unpin(addr)
+                case _:
+                    log.warning("ignored %s from %r: the KV store expects no such notification from it", message, peer)
         now = time.monotonic()
-        for offset in [o for o, expiry in self._pins.items() if expiry < now]:
-            self._unpin(offset)
+        for addr in [a for a, (_, expiry) in self._pins.items() if expiry < now]:
+            self._unpin(addr)
         self.stats.pinned = len(self._pins)
 
     def _put(self, offset: int, nbytes: int, token_ids: list[int]) -> None:
@@ -115,6 +129,7 @@ class PrefixStore:
             self.stats.put_tokens += n
         self.cache.free(handle)
 
-    def _unpin(self, offset: int) -> None:
-        if self._pins.pop(offset, None) is not None:
-            self.agent.free(offset)
+    def _unpin(self, addr: int) -> None:
+        pin = self._pins.pop(addr, None)
+        if pin is not None:
+            self.agent.free(pin[0])

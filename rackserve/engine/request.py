@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.engine.sampling import SamplingParams
 from rackserve.engine.state_cache import CacheHandle
-from rackserve.transfer.kv import KVReservation
+from rackserve.transfer.transport import KVReservation
 
 
 class Status(enum.Enum):
@@ -64,22 +65,32 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request: only the new tokens and text (streaming deltas)."""
+    """What one step produced for one request: only the new tokens and text (streaming deltas).
+
+    The same object goes from the engine through a DP rank actor (pickled by Ray) to the client that
+    streams it. `error`: why the rank refused the request (finished, finish reason "error", nothing
+    generated); None otherwise. Token counts are totals so far: prompt, served from a prefix cache,
+    generated."""
 
     request_id: str
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "pushed" | "error", once finished
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None
 
 
 @dataclass
 class Completion:
-    """A finished request, as `LLM.generate` returns it."""
+    """A finished request, as every `generate` returns it (`LLM`, `Instance`, `Deployment`).
+
+    prompt_token_ids: the prompt as the engine took it ([] for text sent to a model without a
+    tokenizer, which is refused); logprobs: per output token, when they were asked for, else None;
+    error: why the request was refused (finish reason "error"), else None."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -88,3 +99,20 @@ class Completion:
     finish_reason: str
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_outputs(cls, request_id: str, prompt_token_ids: list[int], outputs: Iterable[RequestOutput],
+                     logprobs: bool = False) -> Completion:
+        """The completion of a request from its outputs in order (their deltas joined, the counts of
+        the last); `logprobs`: whether they were asked for. Outputs that end before a finished one
+        (the request was aborted) give finish reason "abort"."""
+        token_ids, text, entries, last = [], "", [], None
+        for last in outputs:
+            token_ids += last.new_token_ids
+            text += last.new_text
+            entries += last.new_logprobs
+        finished = last is not None and last.finished
+        return cls(request_id, prompt_token_ids, token_ids, text, last.finish_reason if finished else "abort",
+                   num_cached_tokens=last.num_cached_tokens if last is not None else 0,
+                   logprobs=entries if logprobs else None, error=last.error if last is not None else None)

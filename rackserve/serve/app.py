@@ -31,7 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
 from rackserve.actors.deployment_client import DeploymentClient
-from rackserve.actors.instance_client import InstanceError
+from rackserve.actors.faults import InstanceError
+from rackserve.engine import RequestOutput
 from rackserve.models import resolve
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.serve import protocol as api
@@ -62,28 +63,26 @@ class _Reply:
     def wants_logprobs(self) -> bool:
         return self.request.logprobs if self.chat else self.request.base_params.logprobs is not None
 
-    def add(self, out: dict) -> dict | None:
+    def add(self, out: RequestOutput) -> dict | None:
         """Take one engine output; the stream chunk to send for it, if any."""
         now = time.monotonic()
         self.first_at = self.first_at or now
         self.last_at = now
-        if out.get("error"):
-            self.error = out["error"]
+        if out.error:
+            self.error = out.error
             return None
-        self.text += out["new_text"]
-        self.usage = api.Usage(out.get("num_prompt_tokens", 0), out.get("num_output_tokens", 0),
-                               out.get("num_cached_tokens", 0))
-        entries = [vars(e) if not isinstance(e, dict) else e for e in out.get("new_logprobs", [])]
-        self.logprobs += entries
-        self.finish = out["finish_reason"] if out["finished"] else None
-        if not (out["new_text"] or self.finish):
+        self.text += out.new_text
+        self.usage = api.Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+        self.logprobs += out.new_logprobs
+        self.finish = out.finish_reason if out.finished else None
+        if not (out.new_text or self.finish):
             return None
         if self.chat:
-            lp = api.chat_logprobs(entries, self.decode) if self.wants_logprobs else None
-            return api.chat_chunk(self.id, self.model, out["new_text"], self.finish, logprobs=lp)
-        lp = api.completion_logprobs(entries, self.decode, len(self.text) - len(out["new_text"])) \
+            lp = api.chat_logprobs(out.new_logprobs, self.decode) if self.wants_logprobs else None
+            return api.chat_chunk(self.id, self.model, out.new_text, self.finish, logprobs=lp)
+        lp = api.completion_logprobs(out.new_logprobs, self.decode, len(self.text) - len(out.new_text)) \
             if self.wants_logprobs else None
-        return api.completion_chunk(self.id, self.model, out["new_text"], self.finish, logprobs=lp)
+        return api.completion_chunk(self.id, self.model, out.new_text, self.finish, logprobs=lp)
 
     def response(self) -> dict:
         if self.chat:

@@ -8,9 +8,9 @@ from pathlib import Path
 import yaml
 
 from rackserve.config import ConfigError
-from rackserve.serve.ingress import INGRESS_KINDS
 
 BUILDER = "rackserve.serve.app:build"
+INGRESS_KINDS = ("proxy", "direct")  # how HTTP reaches the replicas: see `rackserve.serve.ingress`
 # settings of the HTTP tier alone: changing them restarts ingress replicas, never the engines
 INGRESS_FIELDS = ("served_model_name", "host", "port", "ingress", "api_key", "max_inflight", "num_ingress_replicas")
 

@@ -27,6 +27,7 @@ import time
 import ray
 
 from rackserve.actors.deployment import Deployment
+from rackserve.actors.faults import diagnose
 from rackserve.config import EngineConfig
 from rackserve.models import read_config
 from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
@@ -104,18 +105,8 @@ class Controller:
         answers a ping within HEALTH_TIMEOUT_S (a dead KV store degrades caching, not health)."""
         instances = {}
         for inst in self.deployment.prefill + self.deployment.decode:
-            refs = [m.ping.remote() for m in inst.members]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
-            status = "ok"
-            if len(ready) < len(refs):
-                status = f"{len(refs) - len(ready)} member(s) did not answer in {HEALTH_TIMEOUT_S:.0f} s"
-            else:
-                try:
-                    errors = [p["error"] for p in ray.get(ready) if p["error"]]
-                except ray.exceptions.RayActorError as e:
-                    errors = [f"a member died ({type(e).__name__}); it restarts with the next request"]
-                status = errors[0] if errors else status
-            instances[inst.name] = status
+            why = diagnose(inst.members, inst.dep, HEALTH_TIMEOUT_S)  # not waiting for a restart in progress
+            instances[inst.name] = f"{why}; the gang restarts with the next request" if why else "ok"
         refs = [store.metadata.remote() for store in self.deployment.stores]
         answered, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
         live = 0

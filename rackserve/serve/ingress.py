@@ -21,16 +21,12 @@ import json
 import os
 import time
 import urllib.request
-from typing import TYPE_CHECKING
 
 from ray import serve
 
 from rackserve.config import ConfigError
+from rackserve.serve.config import ServeConfig
 
-if TYPE_CHECKING:
-    from rackserve.serve.config import ServeConfig
-
-INGRESS_KINDS = ("proxy", "direct")
 _FLAG, _MIN_PORT = "RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
 
 

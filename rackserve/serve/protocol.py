@@ -24,9 +24,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rackserve.engine.sampling import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from rackserve.engine.request import TokenLogprobs
 
 # 1 MiB of text is a few hundred thousand tokens, room for long prompts, while it bounds the memory and
 # parse time one request can cost before it is validated. The app should stop reading a body past this.
@@ -474,20 +477,20 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
 
 
-def completion_logprobs(entries: list[dict], decode: Callable[[int], str], offset: int = 0) -> dict:
+def completion_logprobs(entries: list[TokenLogprobs], decode: Callable[[int], str], offset: int = 0) -> dict:
     """Legacy /v1/completions logprobs for generated tokens.
 
-    entries: per token {"token_id": int, "logprob": float, "top": [[token_id, logprob], ...]} (the engine's
-    TokenLogprobs as sent over the wire); decode: one token id → its text. offset: the character offset of the
-    first token in the choice's text (nonzero for later stream chunks, or after an echoed prompt). Each
-    top_logprobs dict also holds the chosen token, as OpenAI's does (so up to logprobs + 1 entries).
+    entries: per token, the engine's `TokenLogprobs` (the chosen token id and its logprob, the top (token id,
+    logprob) pairs); decode: one token id → its text. offset: the character offset of the first token in the
+    choice's text (nonzero for later stream chunks, or after an echoed prompt). Each top_logprobs dict also
+    holds the chosen token, as OpenAI's does (so up to logprobs + 1 entries).
     """
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for entry in entries:
-        token = decode(entry["token_id"])
-        logprob = _finite(entry["logprob"])
+        token = decode(entry.token_id)
+        logprob = _finite(entry.logprob)
         top: dict[str, float] = {}
-        for token_id, top_logprob in entry["top"]:
+        for token_id, top_logprob in entry.top:
             # two ids can decode alike (partial UTF-8 bytes both show as U+FFFD): keep the likelier, listed first
             top.setdefault(decode(token_id), _finite(top_logprob))
         top.setdefault(token, logprob)
@@ -505,10 +508,10 @@ def _chat_token(token_id: int, logprob: float, decode: Callable[[int], str]) -> 
     return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
 
 
-def chat_logprobs(entries: list[dict], decode: Callable[[int], str]) -> dict:
+def chat_logprobs(entries: list[TokenLogprobs], decode: Callable[[int], str]) -> dict:
     """Chat logprobs for generated tokens: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}.
 
     entries and decode as in `completion_logprobs`; bytes are the UTF-8 bytes of the decoded token text.
     """
-    return {"content": [{**_chat_token(e["token_id"], e["logprob"], decode),
-                         "top_logprobs": [_chat_token(t, lp, decode) for t, lp in e["top"]]} for e in entries]}
+    return {"content": [{**_chat_token(e.token_id, e.logprob, decode),
+                         "top_logprobs": [_chat_token(t, lp, decode) for t, lp in e.top]} for e in entries]}

@@ -12,16 +12,16 @@ them (one saved by transformers, which drops them) gives a model without MTP lay
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from rackserve.config import WEIGHTS
+from rackserve.models.checkpoint import (CheckpointError, StoredTensor, checkpoint_files, mismatch_message,
+                                         open_safetensors, tensor_index)
 from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.kernels.block_scaled import ScaleGridError, block_of
 from rackserve.models.deepseek_v4.checkpoint_names import Target, ours
@@ -32,38 +32,11 @@ from rackserve.models.deepseek_v4.quantized import SCALE_SUFFIX, dequantize_modu
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FP32_MARKERS = ("_hc.", "hc_head.", "sinks", "position_bias", "norm.weight", "e_score_correction_bias")
 _MTP_PREFIX = "mtp."
-# safetensors' dtype names
-_FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
-                "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32,
-                "I64": torch.int64}
 _CODE_DTYPES = (torch.float8_e4m3fn, torch.int8)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model; the message lists what is wrong."""
 
 
 def keeps_fp32(name: str) -> bool:
     return any(marker in name for marker in _FP32_MARKERS)
-
-
-def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory: the index's shards, or model.safetensors."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({e}); re-export the checkpoint") from None
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"shards listed in {index.name} are missing: {missing}")
-        return files
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -111,13 +84,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
 
 
 @dataclass
-class _Entry:
-    """One tensor of the files: its name there, file, shape, dtype, and where it goes."""
+class _Entry(StoredTensor):
+    """One tensor of the files, and where it goes."""
 
-    name: str
-    file: Path
-    shape: tuple[int, ...]
-    dtype: torch.dtype
     target: Target
 
 
@@ -152,7 +121,7 @@ def load_weights(model: DeepseekV4ForCausalLM, files: list[Path], device: torch.
     for entry in entries.values():
         by_file[entry.file].append(entry)
     for file, file_entries in by_file.items():
-        with _open(file) as f:
+        with open_safetensors(file) as f:
             for entry in file_entries:
                 name, target = entry.name, entry.target
                 dests = _parts(targets[target.name], entry, held)
@@ -173,26 +142,12 @@ def load_weights(model: DeepseekV4ForCausalLM, files: list[Path], device: torch.
                 seen[target.name].add((target.expert, target.half))
     missing = sorted(_missing(targets, seen, entries, held))
     if missing or unexpected or misshaped:
-        raise CheckpointError(_mismatch_message(missing, unexpected, misshaped))
+        raise CheckpointError(mismatch_message(missing, unexpected, misshaped))
 
 
 def _index(files: list[Path]) -> dict[str, _Entry]:
     """Every tensor of `files`, by its name in the files."""
-    entries = {}
-    for file in files:
-        with _open(file) as f:
-            for name in f.keys():
-                info = f.get_slice(name)
-                dtype = _FILE_DTYPES.get(info.get_dtype(), torch.float32)
-                entries[name] = _Entry(name, file, tuple(info.get_shape()), dtype, ours(name))
-    return entries
-
-
-def _open(file: Path):
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-        raise CheckpointError(f"cannot read {file}: {e}; the file is truncated or not safetensors") from None
+    return {name: _Entry(**vars(t), target=ours(name)) for name, t in tensor_index(files).items()}
 
 
 def _stored_shapes(model: DeepseekV4ForCausalLM,
@@ -264,13 +219,3 @@ def _missing(targets: dict[str, torch.Tensor], seen: dict[str, set], entries: di
                     w = 2 if halves == 1 else (1, 3)[half]
                     missing.append(re.sub(r"experts\.\d+\.w\d", f"experts.{expert}.w{w}", example))
     return missing
-
-
-def _mismatch_message(missing: list[str], unexpected: list[str], misshaped: list[str], show: int = 8) -> str:
-    parts = ["the checkpoint does not match the model config:"]
-    for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped)):
-        if names:
-            more = f" … and {len(names) - show} more" if len(names) > show else ""
-            parts.append(f"{len(names)} {label}: " + ", ".join(names[:show]) + more)
-    parts.append("check that config.json belongs to these weights (same layer count, sizes and layer types)")
-    return "\n  ".join(parts)

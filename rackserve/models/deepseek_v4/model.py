@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from rackserve.models.causal_lm import CausalLM
 from rackserve.models.deepseek_v4.config import SLIDING, ModelConfig
 from rackserve.models.deepseek_v4.batch import ForwardBatch
 from rackserve.models.deepseek_v4.decoder import DecoderLayer
@@ -37,16 +38,11 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(CausalLM):
     """The whole model. Build it with `rackserve.models.deepseek_v4.loader.load_model` to get weights."""
 
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV4Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, DeepseekV4Model(config))
         # registered last, so the main model's parameters come first in the state dict
         self.mtp = nn.ModuleList(MTPBlock(config, i) for i in range(config.num_nextn_predict_layers))
         self._rotary: dict[str, Rotary] = {}
@@ -94,14 +90,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Forget the MTP layers (a checkpoint without `mtp.*` weights has none to draft with)."""
         self.mtp = nn.ModuleList()
         self.config = replace(self.config, num_nextn_predict_layers=0, mtp_layer_types=())
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
 
     # ---- what the engine calls (`ServingModel`) ------------------------------------------------------
     def build_batch(self, state: ModelState, requests, num_logits=None) -> ForwardBatch:

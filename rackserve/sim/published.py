@@ -1,9 +1,9 @@
 """Public DeepSeek-V4.1-Flash serving figures (GB300 NVL72) next to the simulator's predictions.
 
-    rackserve sim validate [--preset gb300]      (or: python -m rackserve.bench.sim)
+    rackserve sim validate [--preset gb300]      (or: python -m rackserve.sim)
 
 Every figure carries the source's wording and what the simulation had to assume because the source
-does not say it. Constants are global (rackserve.bench.sim.hardware); none is set per figure.
+does not say it. Constants are global (rackserve.sim.hardware); none is set per figure.
 The relative error is (predicted - published) / published. The last line printed is one JSON object.
 """
 
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rackserve.bench.sim.experts import ExpertLoad, ExpertPlacement, eplb_trace
-from rackserve.bench.sim.hardware import assumption_rows, preset
-from rackserve.bench.sim.scenario import ZIPF, Scenario, simulate, v4_flash
-from rackserve.bench.sim.simulator import Workload
+from rackserve.sim.experts import ExpertLoad, ExpertPlacement, eplb_trace
+from rackserve.sim.hardware import assumption_rows, preset
+from rackserve.sim.scenario import ZIPF, Scenario, simulate, v4_flash
+from rackserve.sim.simulator import Workload
 
 PREFILL_ISL, PREFILL_RATIO, PREFILL_BATCH = 8192, 0.5, 2
 DECODE_ISL, DECODE_OSL, DECODE_RATIO, DECODE_BATCH = 8192, 1024, 0.8, 128
@@ -163,7 +163,7 @@ def validate(hardware: str = "gb300", echo: Callable[[str], None] = print) -> li
     for f in FIGURES:
         echo(f"  {f.what}: source \"{f.source}\"; assumed: {f.assumed if f.assumed not in seen else 'as above'}")
         seen.add(f.assumed)
-    echo("\nmachine and global constants (rackserve/bench/sim/hardware.py):")
+    echo("\nmachine and global constants (rackserve/sim/hardware.py):")
     for name, value, source in assumption_rows(hw):
         echo(f"  {name:<28} {value:<34} {source}")
     summary = {"bench": "sim_validate", "preset": hw.name,

@@ -14,7 +14,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from rackserve.bench.sim.cost import (
+from rackserve.config import EngineConfig
+from rackserve.models.deepseek_v4.config import ModelConfig
+from rackserve.models.deepseek_v4.memory import WORKSPACE_BYTES
+from rackserve.models.deepseek_v4.state import ModelState
+from rackserve.sim.cost import (
     PRECISIONS,
     RACKSERVE,
     UNOPTIMISED,
@@ -23,13 +27,9 @@ from rackserve.bench.sim.cost import (
     ModelShape,
     Precision,
 )
-from rackserve.bench.sim.experts import ExpertLoad, ExpertPlacement
-from rackserve.bench.sim.hardware import Efficiency, Hardware, preset
-from rackserve.bench.sim.simulator import SimResult, Simulator, Workload
-from rackserve.config import EngineConfig
-from rackserve.models.deepseek_v4.config import ModelConfig
-from rackserve.models.deepseek_v4.memory import WORKSPACE_BYTES
-from rackserve.models.deepseek_v4.state import ModelState
+from rackserve.sim.experts import ExpertLoad, ExpertPlacement
+from rackserve.sim.hardware import Efficiency, Hardware, preset
+from rackserve.sim.simulator import SimResult, Simulator, Workload
 
 HOST_PATHS = {"rackserve": RACKSERVE, "unoptimised": UNOPTIMISED}
 ZIPF = 1.0  # assumed expert-popularity skew (the EPLB benchmark's default)

@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rackserve.bench.sim.cost import Chunk, CostModel, StepCost
-from rackserve.bench.sim.experts import ExpertLoad, ExpertPlacement
 from rackserve.config import EngineConfig
 from rackserve.engine.request import Request
 from rackserve.engine.runner import plan_passes
 from rackserve.engine.sampling import SamplingParams
 from rackserve.engine.scheduler import RunnerOutput, Scheduler
 from rackserve.engine.state_cache import StateCache
+from rackserve.sim.cost import Chunk, CostModel, StepCost
+from rackserve.sim.experts import ExpertLoad, ExpertPlacement
 
 SAMPLED = 2  # the token every simulated sample returns (not an EOS of the default config)
 

@@ -1,11 +1,11 @@
 """Simulated expert loads and the real EPLB re-placing experts from them.
 
 Load model (assumed): in every MoE layer, expert popularity is Zipf(`zipf`) over a per-layer
-shuffle of the experts (`rackserve.bench.eplb.popularity`, the EPLB benchmark's model), fixed over
-time. A forward pass of T tokens routes T x k token-expert pairs as one multinomial draw over the
-popularities (with replacement: a token may pick an expert twice, which changes loads by O(k/E)).
-A window of many steps is one draw of all its pairs (a sum of multinomials with the same
-probabilities is one multinomial).
+shuffle of the experts (`popularity`, also the EPLB benchmark's model), fixed over time. A forward
+pass of T tokens routes T x k token-expert pairs as one multinomial draw over the popularities
+(with replacement: a token may pick an expert twice, which changes loads by O(k/E)). A window of
+many steps is one draw of all its pairs (a sum of multinomials with the same probabilities is one
+multinomial).
 
 `ExpertPlacement` holds the layout in use, starts where `rackserve.actors.instance.Instance`
 starts (`rebalance` of a uniform load), counts the load it served, and every `interval` steps
@@ -18,8 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rackserve.bench.eplb import popularity
 from rackserve.placement.eplb import Placement, balancedness, rebalance
+
+
+def popularity(layers: int, experts: int, zipf: float, rng: np.random.Generator) -> np.ndarray:
+    """[L, E] log-probabilities: Zipf over a per-layer shuffle of the experts."""
+    logp = -zipf * np.log(np.arange(1, experts + 1))
+    return np.stack([rng.permutation(logp) for _ in range(layers)])
 
 
 @dataclass(frozen=True)

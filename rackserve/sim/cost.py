@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rackserve.bench.sim.hardware import HOST, Efficiency, Hardware, Host
 from rackserve.models.deepseek_v4.config import CSA, HCA, ModelConfig
 from rackserve.models.deepseek_v4.state import ModelState
+from rackserve.sim.hardware import HOST, Efficiency, Hardware, Host
 
 # Bytes per stored weight element, block scales included (MXFP4: one byte per 32 elements;
 # FP8: one fp32 scale per 128x128 block).

@@ -1,0 +1,27 @@
+"""The shell every family's model shares: its body (`model`, with `embed_tokens`), the output head
+(`lm_head`, tied to the embeddings when the config says so) and the dtype and device the engine asks
+for (`ServingModel`). Module names follow Hugging Face checkpoints (`model.…`, `lm_head.weight`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config, body: nn.Module):
+        """config: the family's (`hidden_size`, `vocab_size`, `tie_word_embeddings`); body: its decoder stack."""
+        super().__init__()
+        self.config = config
+        self.model = body
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = body.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device

@@ -1,0 +1,52 @@
+"""The layering the design promises, checked on what Python actually imports (each check in a fresh
+interpreter): the engine knows no model family, the models know no placement, and nothing below the
+actors loads Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import rackserve
+
+ROOT = Path(rackserve.__file__).parent
+BELOW_ACTORS = ("engine", "models", "kernels", "collective", "transfer")
+
+
+def modules_under(package: str) -> list[str]:
+    """Every module of `rackserve.<package>`, subpackages included, from the files (nothing is imported)."""
+    names = []
+    for file in sorted((ROOT / package).rglob("*.py")):
+        parts = file.relative_to(ROOT.parent).with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def loaded_after(modules: list[str]) -> set[str]:
+    """The modules a fresh interpreter has loaded after importing `modules`."""
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + "print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return set(out.stdout.split())
+
+
+def test_the_engine_imports_no_model_family():
+    loaded = loaded_after(modules_under("engine"))
+    families = {m for m in loaded if m.startswith(("rackserve.models.deepseek_v4", "rackserve.models.qwen3_moe"))}
+    assert not families
+
+
+def test_the_models_import_nothing_from_placement():
+    loaded = loaded_after(modules_under("models"))
+    assert "rackserve.models.deepseek_v4.model" in loaded  # the check saw the families
+    assert not {m for m in loaded if m.startswith("rackserve.placement")}
+
+
+def test_nothing_below_the_actors_imports_ray():
+    modules = [m for package in BELOW_ACTORS for m in modules_under(package)]
+    assert "rackserve.transfer.kv" in modules and "rackserve.engine.engine" in modules
+    loaded = loaded_after(modules)
+    assert not {m for m in loaded if m == "ray" or m.startswith("ray.")}
