@@ -16,10 +16,16 @@ from rackserve.models.deepseek_v4.tiny import ensure_tiny
 from rackserve.models.tokenizer import CHAT_TEMPLATE, Tokenizer
 from rackserve.serve.protocol import (
     MAX_BODY_BYTES,
-    SSE_DONE,
     APIError,
     ChatRequest,
     CompletionRequest,
+    new_request_id,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
+from rackserve.serve.responses import (
+    SSE_DONE,
     Usage,
     chat_chunk,
     chat_logprobs,
@@ -27,11 +33,7 @@ from rackserve.serve.protocol import (
     completion_chunk,
     completion_logprobs,
     completion_response,
-    new_request_id,
     openai_finish_reason,
-    parse_chat,
-    parse_completion,
-    parse_json,
     sse,
     usage_chunk,
 )

@@ -189,6 +189,14 @@ def test_configs_as_published_and_as_transformers_5_writes_them(checkpoint):
     assert (tiny.num_experts, tiny.num_moe_layers, tiny.num_hidden_layers, tiny.rope_theta) == (8, 3, 4, 1e6)
 
 
+def test_stop_ids_of_generation_config_join_config_json(checkpoint, tmp_path):
+    """Qwen lists `<|im_end|>` in config.json and `<|endoftext|>` too in generation_config.json: both stop."""
+    copy = shutil.copytree(checkpoint, tmp_path / "ckpt")
+    eos = read_config(copy).eos_token_ids
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [*eos, 7]}))
+    assert read_config(copy).eos_token_ids == (*eos, 7)
+
+
 @pytest.mark.parametrize("override, match", [
     ({"use_sliding_window": True}, "use_sliding_window=true .* set use_sliding_window to false"),
     ({"attention_bias": True}, "attention_bias=true is not supported"),

@@ -39,11 +39,25 @@ def family(model_type: str) -> ModelFamily:
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
-    """The dict in `path/config.json` (or a config.json path)."""
+    """The dict in `path/config.json` (or a config.json path). A checkpoint directory's
+    generation_config.json may list more stop ids (Qwen's lists `<|im_end|>` and `<|endoftext|>`, its
+    config.json only the first): its `eos_token_id`s join config.json's, as transformers' `generate` stops
+    on them too."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(f"no config.json at {file}; point to a checkpoint directory that has one")
+    raw = _json(file)
+    generation = path / "generation_config.json"
+    if path.is_dir() and generation.is_file() and _json(generation).get("eos_token_id") is not None:
+        ids = [i for given in (raw.get("eos_token_id"), _json(generation)["eos_token_id"])
+               for i in (given if isinstance(given, list) else [given]) if i is not None]
+        ids = list(dict.fromkeys(ids))
+        raw["eos_token_id"] = ids if len(ids) > 1 else ids[0]
+    return raw
+
+
+def _json(file: Path) -> dict[str, Any]:
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:

@@ -36,6 +36,7 @@ from rackserve.engine import RequestOutput
 from rackserve.models import resolve
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.serve import protocol as api
+from rackserve.serve import responses
 from rackserve.serve.config import ServeConfig
 from rackserve.serve.controller import RemoteDataPlane, data_plane, shutdown_data_planes
 from rackserve.serve.ingress import check_direct_ingress
@@ -56,7 +57,7 @@ class _Reply:
         self.id, self.model, self.chat, self.request, self.arrival = request_id, model, chat, request, arrival
         self.decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else str
         self.text, self.logprobs, self.error, self.finish = "", [], None, None
-        self.usage = api.Usage(0, 0, 0)
+        self.usage = responses.Usage(0, 0, 0)
         self.first_at = self.last_at = None
 
     @property
@@ -72,24 +73,24 @@ class _Reply:
             self.error = out.error
             return None
         self.text += out.new_text
-        self.usage = api.Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+        self.usage = responses.Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
         self.logprobs += out.new_logprobs
         self.finish = out.finish_reason if out.finished else None
         if not (out.new_text or self.finish):
             return None
         if self.chat:
-            lp = api.chat_logprobs(out.new_logprobs, self.decode) if self.wants_logprobs else None
-            return api.chat_chunk(self.id, self.model, out.new_text, self.finish, logprobs=lp)
-        lp = api.completion_logprobs(out.new_logprobs, self.decode, len(self.text) - len(out.new_text)) \
+            lp = responses.chat_logprobs(out.new_logprobs, self.decode) if self.wants_logprobs else None
+            return responses.chat_chunk(self.id, self.model, out.new_text, self.finish, logprobs=lp)
+        lp = responses.completion_logprobs(out.new_logprobs, self.decode, len(self.text) - len(out.new_text)) \
             if self.wants_logprobs else None
-        return api.completion_chunk(self.id, self.model, out.new_text, self.finish, logprobs=lp)
+        return responses.completion_chunk(self.id, self.model, out.new_text, self.finish, logprobs=lp)
 
     def response(self) -> dict:
         if self.chat:
-            lp = api.chat_logprobs(self.logprobs, self.decode) if self.wants_logprobs else None
-            return api.chat_response(self.id, self.model, self.text, self.finish, self.usage, logprobs=lp)
-        lp = api.completion_logprobs(self.logprobs, self.decode) if self.wants_logprobs else None
-        return api.completion_response(self.id, self.model, self.text, self.finish, self.usage, logprobs=lp)
+            lp = responses.chat_logprobs(self.logprobs, self.decode) if self.wants_logprobs else None
+            return responses.chat_response(self.id, self.model, self.text, self.finish, self.usage, logprobs=lp)
+        lp = responses.completion_logprobs(self.logprobs, self.decode) if self.wants_logprobs else None
+        return responses.completion_response(self.id, self.model, self.text, self.finish, self.usage, logprobs=lp)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -218,20 +219,20 @@ class OpenAIServer:
         status = 200
         try:
             if reply.chat:
-                yield api.sse(api.chat_chunk(reply.id, reply.model, "", None, role=True))
+                yield responses.sse(responses.chat_chunk(reply.id, reply.model, "", None, role=True))
             async for out in outputs:
                 chunk = reply.add(out)
                 if chunk is not None:
-                    yield api.sse(chunk)
+                    yield responses.sse(chunk)
             if reply.error:
-                yield api.sse(api.APIError(400, reply.error).body())
+                yield responses.sse(api.APIError(400, reply.error).body())
             elif reply.request.include_usage:
-                yield api.sse(api.usage_chunk(reply.id, reply.model, reply.usage, reply.chat))
-            yield api.SSE_DONE
+                yield responses.sse(responses.usage_chunk(reply.id, reply.model, reply.usage, reply.chat))
+            yield responses.SSE_DONE
         except InstanceError as e:
             status = 503
-            yield api.sse(api.APIError(503, str(e), "server_error").body())
-            yield api.SSE_DONE
+            yield responses.sse(api.APIError(503, str(e), "server_error").body())
+            yield responses.SSE_DONE
         finally:
             await outputs.aclose()  # aborts the request if it is still running
             self._done(endpoint, status, reply)
