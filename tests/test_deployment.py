@@ -106,11 +106,16 @@ def kill_a_store_and_a_prefill_rank(deployment: Deployment, tiny_checkpoint) -> 
     assert deployment.client.dead_stores == {0}  # found by the client that looked a prefix up
 
     before = totals(deployment, "decode").get("kv_recomputed", 0)
-    # a prompt of 10 prefill steps (96-token budget): the rank dies long before it could push
-    request = deployment.submit(prompt(900, seed=90), greedy)
+    # a prompt of 19 prefill steps (96-token budget), killed once the prefill rank runs it, long before
+    # it could push (killed earlier, the request could still reach the restarted gang and be pushed)
+    request = deployment.submit(prompt(1800, seed=90), greedy)
+    deadline = time.monotonic() + 60
+    while not any(m.get("running") for inst in deployment.stats()["prefill"] for m in inst["members"]):
+        assert time.monotonic() < deadline, "the prefill rank never started the request"
+        time.sleep(0.005)
     ray.kill(deployment.prefill[0].members[0])  # its push never comes: the reservation expires
     tokens = [t for out in deployment.stream(request) for t in out.new_token_ids]
-    assert_like_single(tiny_checkpoint, [prompt(900, seed=90)], [tokens], greedy)
+    assert_like_single(tiny_checkpoint, [prompt(1800, seed=90)], [tokens], greedy)
     assert totals(deployment, "decode")["kv_recomputed"] == before + 1
     [again] = deployment.generate([prompt(25, seed=91)], greedy)  # the prefill instance restarts
     assert_like_single(tiny_checkpoint, [prompt(25, seed=91)], [again.token_ids], greedy)
