@@ -185,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "through Serve's HTTP proxy (default with --address: the config's)")
     sv.set_defaults(func=_serve)
     _add_bench(sub)
+    _add_check_gpu(sub)
     si = sub.add_parser("sim", help="simulate DEP instances on GB300 NVL72 / H200 racks (real scheduler and EPLB, "
                                     "roofline costs)")
     si.add_argument("action", choices=("validate", "run"),
@@ -258,6 +259,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _add_bench(sub) -> None:
     from rackserve.bench.cli import add_parser  # light: the benchmark's own imports wait until it runs
+
+    add_parser(sub)
+
+
+def _add_check_gpu(sub) -> None:
+    from rackserve.gpu_check.command import add_parser  # light: the check's own imports wait until it runs
 
     add_parser(sub)
 

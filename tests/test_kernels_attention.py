@@ -29,6 +29,8 @@ from rackserve.kernels.indexer import (
     top_entries,
 )
 from rackserve.kernels.packed_rows import PackedRows, RowFormat
+from rackserve.models.deepseek_v4.config import ModelConfig
+from rackserve.models.deepseek_v4.state import row_formats
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -120,6 +122,24 @@ def test_sink_attention_on_packed_entries(case, kind, block, dtype, splits):
     assert_close(out, sink_attention_torch(q, sources, rows, valid, sinks, d**-0.5), tolerance(dtype))
 
 
+# V4-Flash's per-head sizes on two tokens: 64 heads of 512 (the launcher's widest tiles: BLOCK_D 512, 16 keys),
+# keys from a window, this step's rows and compressed entries, the entries plain or FP8 as state_dtype="fp8-fp4"
+# holds them; unsplit and split (decode).
+V4_FLASH = ModelConfig.from_dict({})
+
+
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto", "split3"])
+@pytest.mark.parametrize("entries", ["plain", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sink_attention_at_v4_flash_sizes(dtype, entries, splits):
+    heads, d = V4_FLASH.num_attention_heads, V4_FLASH.head_dim
+    q, sources, rows, valid, sinks = attention_inputs(2, heads, d, 40, (32, 2, 20), dtype, seed=7)
+    if entries == "fp8":
+        sources[2] = packed(sources[2], "fp8", row_formats(V4_FLASH, "fp8-fp4")[0].block)
+    out = sink_attention_triton(q, sources, rows, valid, sinks, d**-0.5, splits=splits)
+    assert_close(out, sink_attention_torch(q, sources, rows, valid, sinks, d**-0.5), tolerance(dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("overlap", [False, True], ids=["hca", "csa"])
 @pytest.mark.parametrize("rate,d,n", [(4, 16, 9), (8, 24, 1), (4, 24, 1), (8, 16, 9)])
@@ -185,6 +205,26 @@ def assert_ranked_like(order: torch.Tensor, valid: torch.Tensor, ref: torch.Tens
     finite = ref[torch.isfinite(ref)]
     mag = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
     torch.testing.assert_close(picked[valid], best[valid], atol=tol * mag, rtol=0)
+
+
+# The indexer at V4-Flash's sizes: 64 heads × 128, top-k 512 of 600 candidates (two 512-wide tiles), keys plain
+# or FP4 as state_dtype="fp8-fp4" holds them (on a GPU that launch needs more shared memory than a block has:
+# tests/test_kernel_shared_memory.py). The interpreter takes seconds a query here: one token for the second.
+@pytest.mark.parametrize("t,kind", [(2, None), (1, "fp4")], ids=["plain", "fp4"])
+def test_indexer_at_v4_flash_sizes(t, kind):
+    g = torch.Generator().manual_seed(t)
+    h, d, k = V4_FLASH.index_n_heads, V4_FLASH.index_head_dim, V4_FLASH.index_topk
+    q = torch.randn(t, h, d, generator=g).to(DEVICE)
+    keys = torch.randn(700, d, generator=g).to(DEVICE)
+    if kind:
+        keys = packed(keys, kind, row_formats(V4_FLASH, "fp8-fp4")[1].block)
+    rows = torch.randint(0, 700, (t, 600), generator=g)
+    visible = torch.rand(t, 600, generator=g) < 0.95  # ~570 visible: more than k, so the top-k chooses
+    head_w = torch.randn(t, h, generator=g)
+    rows, visible, head_w = (x.to(DEVICE) for x in (rows, visible, head_w))
+    ref = indexer_scores_torch(q, keys, rows, visible, head_w)
+    assert_close(indexer_scores_triton(q, keys, rows, visible, head_w), ref, 1e-5)
+    assert_ranked_like(*indexer_topk_triton(q, keys, rows, visible, head_w, k), ref, 1e-5)
 
 
 # (T, E, k): fewer candidates than k; one block of candidates with k from 1 to more than E; several blocks

@@ -34,7 +34,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton inter
 
 
 HC_EPS, NORM_EPS, ITERS = 1e-6, 1e-6, 20
-SHAPES = [(t, n, d) for n in (4, 2) for t, d in ((1, 64), (7, 100), (33, 256), (7, 256), (33, 100))]
+# the last: V4-Flash's hidden size and hc_mult on two tokens
+SHAPES = [(t, n, d) for n in (4, 2) for t, d in ((1, 64), (7, 100), (33, 256), (7, 256), (33, 100))] + [(2, 4, 4096)]
 
 
 def inputs(t: int, n: int, d: int, dtype: torch.dtype, rows: int, seed: int):

@@ -52,6 +52,23 @@ def _pattern(nbytes: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
+def fill_pool(agent: KVAgent, nbytes: int, seed: int) -> None:
+    """Write `nbytes` seeded random bytes at the start of `agent`'s pool (host or GPU memory)."""
+    agent.view(0, nbytes).copy_(_pattern(nbytes, seed))
+
+
+def zeroed_range(agent: KVAgent, nbytes: int) -> int:
+    """A fresh range of `nbytes` of `agent`'s pool, zeroed; its offset."""
+    offset = agent.alloc(nbytes)
+    agent.view(offset, nbytes).zero_()
+    return offset
+
+
+def pool_holds(agent: KVAgent, offset: int, nbytes: int, seed: int) -> bool:
+    """Whether `agent`'s pool holds at `offset` the `nbytes` bytes `fill_pool` wrote with `seed`."""
+    return torch.equal(agent.view(offset, nbytes).cpu(), _pattern(nbytes, seed))
+
+
 def _next_notif(agent: KVAgent, timeout_s: float = 60.0) -> bytes:
     """Poll until a notification arrives; its message."""
     deadline = time.monotonic() + timeout_s
@@ -78,18 +95,17 @@ class _Side:
         return time.process_time()  # all of the actor's threads
 
     def fill(self, nbytes: int, seed: int) -> None:
-        self.agent.view(0, nbytes).copy_(_pattern(nbytes, seed))
+        fill_pool(self.agent, nbytes, seed)
 
     def region(self, nbytes: int) -> list:
         """A fresh zeroed range of `nbytes` (the previous one freed), as a wire region."""
         if self.offset is not None:
             self.agent.free(self.offset)
-        self.offset = self.agent.alloc(nbytes)
-        self.agent.view(self.offset, nbytes).zero_()
+        self.offset = zeroed_range(self.agent, nbytes)
         return self.agent.region(self.offset, nbytes).to_wire()
 
     def holds(self, nbytes: int, seed: int) -> bool:
-        return torch.equal(self.agent.view(self.offset, nbytes), _pattern(nbytes, seed))
+        return pool_holds(self.agent, self.offset, nbytes, seed)
 
     def push(self, region: list) -> None:
         """Once the receiver polls, WRITE our pool's first bytes into `region`; notif = start time."""

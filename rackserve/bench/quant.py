@@ -94,9 +94,11 @@ class KernelCase(NamedTuple):
     impls: list[tuple[str, Callable[[], object], int]]  # (implementation, call, bytes of weights it reads); bf16 last
 
 
-def kernel_cases(c: ModelConfig, token_counts: tuple[int, ...], device: str) -> list[KernelCase]:
+def kernel_cases(c: ModelConfig, token_counts: tuple[int, ...], device: str,
+                 block: tuple[int, int] = FP8_BLOCK) -> list[KernelCase]:
     """The FP8 linears wq_b and wo_b and the MoE FFN with FP4 experts of model `c`, for each token count,
-    with random bf16 weights (unit-variance outputs for unit-variance inputs) quantized as published."""
+    with random bf16 weights (unit-variance outputs for unit-variance inputs) quantized as published, the
+    linears in FP8 blocks of `block` (rows, inputs; a tiny model's matrices need smaller ones)."""
     from rackserve.bench.kernels import _nbytes  # imported here: on CPU that module turns on the Triton interpreter
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -108,7 +110,7 @@ def kernel_cases(c: ModelConfig, token_counts: tuple[int, ...], device: str) -> 
     o_width = c.o_groups * c.o_lora_rank  # wo_b's input
     linears = {"wq_b": randn(c.num_attention_heads * c.head_dim, c.q_lora_rank, std=c.q_lora_rank ** -0.5),
                "wo_b": randn(hidden, o_width, std=o_width ** -0.5)}
-    fp8 = {name: quantize(w, FP8_BLOCK, ue8m0=True) for name, w in linears.items()}
+    fp8 = {name: quantize(w, block, ue8m0=True) for name, w in linears.items()}
     gate_up = randn(experts, 2 * width, hidden, std=hidden ** -0.5)
     down = randn(experts, hidden, width, std=width ** -0.5)
     fp4_experts = (*_quantize_fp4_experts(gate_up), *_quantize_fp4_experts(down))
@@ -139,11 +141,18 @@ def kernel_cases(c: ModelConfig, token_counts: tuple[int, ...], device: str) -> 
     return cases
 
 
-def time_kernels(result: dict) -> None:
-    """Time `kernel_cases` at V4-Flash shapes on CUDA, print their table and add headline figures to `result`."""
+def time_case(case: KernelCase) -> list[tuple[str, float, int]]:
+    """`case`'s implementations timed on CUDA: (implementation, ms, bytes of weights it reads), bf16 last."""
     # do_bench, the timer the copy ceiling is measured with: it clears the L2 cache before every run, so a
     # weight small enough to stay there (wq_b's 32 MiB of FP8) is read from HBM, as in a real step
-    from rackserve.bench.kernels import _time_ms, ceilings
+    from rackserve.bench.kernels import _time_ms
+
+    return [(impl, _time_ms(call), nbytes) for impl, call, nbytes in case.impls]
+
+
+def time_kernels(result: dict) -> None:
+    """Time `kernel_cases` at V4-Flash shapes on CUDA, print their table and add headline figures to `result`."""
+    from rackserve.bench.kernels import ceilings
 
     copy_gbps, _ = ceilings("cuda")
     print(f"\n{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s (measured); V4-Flash shapes, bf16 activations, "
@@ -151,7 +160,7 @@ def time_kernels(result: dict) -> None:
     print(f"{'op':<20} {'shape':<30} {'implementation':<36} {'ms':>8} {'weights MiB':>12} {'GB/s':>7} "
           f"{'of copy':>8} {'vs bf16':>8}")
     for case in kernel_cases(ModelConfig.from_dict({}), DECODE_TOKENS, "cuda"):  # V4-Flash's shape
-        timed = [(impl, _time_ms(call), nbytes) for impl, call, nbytes in case.impls]
+        timed = time_case(case)
         bf16_ms = timed[-1][1]
         for impl, ms, nbytes in timed:
             gbps = nbytes / ms / 1e6
