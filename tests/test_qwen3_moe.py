@@ -291,11 +291,6 @@ RAY_ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64}
 RAY_PROMPTS = [prompt(n, seed=50 + n) for n in (5, 33, 70, 12, 41, 20)]
 
 
-def token_ids(completion) -> list[int]:
-    """A `generate` result's token ids: `Instance` / `Deployment` return dicts today, `Completion`s soon."""
-    return completion["token_ids"] if isinstance(completion, dict) else completion.token_ids
-
-
 @functools.cache
 def single_process(checkpoint) -> list[list[int]]:
     return [c.token_ids for c in LLM(checkpoint, **RAY_ENGINE).generate(RAY_PROMPTS, GREEDY)]
@@ -305,27 +300,26 @@ def single_process(checkpoint) -> list[list[int]]:
 def test_pd_deployment_equals_the_single_process_engine(ray_cluster, checkpoint, reference):
     """Prefill on a DEP1 instance, state pushed over NIXL to a DEP2 decode instance re-placing experts,
     with a KV store (a KV cache has no slot tensors: its prefix snapshots cost nothing); a repeated
-    prompt is then read from the store. It runs before the DEP2 test: a Deployment's load-gathering
-    thread may still be in `ray.wait` just after `shutdown`, and a session ending then kills this process."""
+    prompt is then read from the store."""
     from rackserve.actors.deployment import Deployment
 
     dep = Deployment(checkpoint, prefill="1xDEP1", decode="1xDEP2", kv_stores=1,
                      engine_kwargs={**RAY_ENGINE, "kv_timeout_s": 60.0}, timeout=10.0,
                      decode_engine_kwargs={"eplb_interval": 2})
     try:
-        got = [token_ids(c) for c in dep.generate(RAY_PROMPTS, GREEDY)]
+        got = [c.token_ids for c in dep.generate(RAY_PROMPTS, GREEDY)]
         assert_same_greedy(reference, RAY_PROMPTS, got, single_process(checkpoint))
         decode = [m for inst in dep.stats()["decode"] for m in inst["members"]]
         assert sum(m["kv_loaded"] for m in decode) == len(RAY_PROMPTS)  # every state was pushed
         [again] = dep.generate([RAY_PROMPTS[2]], GREEDY)
-        assert token_ids(again) == got[2] and again.num_cached_tokens > 0  # its prefix came from the store
+        assert again.token_ids == got[2] and again.num_cached_tokens > 0  # its prefix came from the store
     finally:
         dep.shutdown()
 
 
 @pytest.mark.slow
 def test_the_openai_endpoint_serves_the_checkpoint_directory(ray_cluster, checkpoint):
-    """`rackserve serve`'s app (P/D, DEP1 each, no KV store: see the P/D test) over real HTTP: one
+    """`rackserve serve`'s app (P/D, DEP1 each; no KV store, the P/D test has one) over real HTTP: one
     completion, the single-process engine's greedy text."""
     import httpx
     from ray import serve
@@ -357,7 +351,7 @@ def test_dep2_instance_with_eplb_equals_the_single_process_engine(ray_cluster, c
 
     inst = Instance(checkpoint, dep=2, redundant_slots=2, engine_kwargs={**RAY_ENGINE, "eplb_interval": 2})
     try:
-        got = [token_ids(c) for c in inst.generate(RAY_PROMPTS, GREEDY)]
+        got = [c.token_ids for c in inst.generate(RAY_PROMPTS, GREEDY)]
         assert_same_greedy(reference, RAY_PROMPTS, got, single_process(checkpoint))
         members = settled_stats(inst)["members"]
         assert members[0]["eplb_rebalances"] >= 1 and len({m["eplb_rebalances"] for m in members}) == 1
