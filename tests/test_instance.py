@@ -212,10 +212,12 @@ def test_bad_configuration_fails_at_creation_naming_the_fix(tiny_checkpoint, kwa
         Instance(**{"model": tiny_checkpoint, **kwargs})  # fails before any actor exists: no Ray needed
 
 
-def _alive_ranks() -> int:
+def _alive_ranks(cluster) -> int:
+    """Rank actors alive on the session's cluster (named by address: another cluster may run on this host)."""
     from ray.util.state import list_actors
 
-    return len(list_actors(filters=[("class_name", "=", "DPRank"), ("state", "=", "ALIVE")], limit=10_000))
+    return len(list_actors(address=cluster.address, filters=[("class_name", "=", "DPRank"), ("state", "=", "ALIVE")],
+                           limit=10_000))
 
 
 def test_a_gang_that_cannot_start_names_the_cause_and_leaves_no_actors(ray_cluster, tiny_checkpoint, tmp_path):
@@ -225,10 +227,10 @@ def test_a_gang_that_cannot_start_names_the_cause_and_leaves_no_actors(ray_clust
     broken = shutil.copytree(tiny_checkpoint, tmp_path / "broken")
     [weights] = broken.glob("*.safetensors")
     os.truncate(weights, weights.stat().st_size // 2)
-    before = _alive_ranks()
+    before = _alive_ranks(ray_cluster)
     with pytest.raises(Exception, match="file is truncated or not safetensors") as kept:
         Instance(broken, dep=2)
     deadline = time.monotonic() + 30
-    while _alive_ranks() > before and time.monotonic() < deadline:
+    while _alive_ranks(ray_cluster) > before and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _alive_ranks() == before, kept.traceback
+    assert _alive_ranks(ray_cluster) == before, kept.traceback
