@@ -49,8 +49,9 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"no config.json at {file}; point to a checkpoint directory that has one")
     raw = _json(file)
     generation = path / "generation_config.json"
-    if path.is_dir() and generation.is_file() and _json(generation).get("eos_token_id") is not None:
-        ids = [i for given in (raw.get("eos_token_id"), _json(generation)["eos_token_id"])
+    extra = _json(generation).get("eos_token_id") if path.is_dir() and generation.is_file() else None
+    if extra is not None:
+        ids = [i for given in (raw.get("eos_token_id"), extra)
                for i in (given if isinstance(given, list) else [given]) if i is not None]
         ids = list(dict.fromkeys(ids))
         raw["eos_token_id"] = ids if len(ids) > 1 else ids[0]
