@@ -23,6 +23,7 @@ WEIGHTS = ("stored", "dequantize")
 # how compressed entries / indexer keys are held: the model dtype, FP8 / FP8, FP8 / FP4
 # (models.deepseek_v4.state)
 STATE_DTYPES = ("auto", "fp8", "fp8-fp4")
+COMPILE = ("off", "on", "trace")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ class EngineConfig:
       (both FP8 e4m3, block-scaled) or "fp8-fp4" (entries FP8, indexer keys FP4 e2m1); windows and
       compressor carries stay in the model dtype (see `rackserve.models.deepseek_v4.state`). Prefill and decode
       ranks that move state between them must agree.
+    compile: the decode forward on fixed shapes (`rackserve.engine.graphs`): "off" (eager), "on"
+      (CUDA graphs on CUDA, torch.compile elsewhere, compiled once per shape and cached on disk) or
+      "trace" (traced as one graph and run without code generation: checks capture safety quickly).
+    graph_buckets: the token counts a decode pass is padded to when `compile` is on; a pass with more
+      tokens than the largest runs eager.
     """
 
     max_num_seqs: int = 32
@@ -74,6 +80,8 @@ class EngineConfig:
     speculative_tokens: int = 0
     weights: str = "stored"
     state_dtype: str = "auto"
+    compile: str = "off"
+    graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
     def __post_init__(self) -> None:
         if not isinstance(self.eplb_interval, int) or self.eplb_interval < 0:
@@ -100,6 +108,13 @@ class EngineConfig:
             raise ConfigError(f"weights={self.weights!r} must be one of {WEIGHTS}")
         if self.state_dtype not in STATE_DTYPES:
             raise ConfigError(f"state_dtype={self.state_dtype!r} must be one of {STATE_DTYPES}")
+        if self.compile not in COMPILE:
+            raise ConfigError(f"compile={self.compile!r} must be one of {COMPILE}")
+        buckets = self.graph_buckets
+        if (not isinstance(buckets, (list, tuple)) or not buckets
+                or any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in buckets)):
+            raise ConfigError(f"graph_buckets={buckets!r} must be a list of positive token counts, e.g. [1, 8, 32]")
+        object.__setattr__(self, "graph_buckets", tuple(sorted(set(buckets))))  # YAML gives lists
         k = self.speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"speculative_tokens={k!r} must be an integer from 0 (off) to {MAX_SPECULATIVE_TOKENS}")

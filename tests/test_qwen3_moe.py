@@ -214,7 +214,7 @@ def test_unsupported_config_values_fail_naming_the_field_and_fix(override, match
         ModelConfig.from_dict({**QWEN3_30B_A3B, **override})
 
 
-def test_speculation_and_quantized_state_fail_naming_the_fix(checkpoint):
+def test_speculation_quantized_state_and_compile_fail_naming_the_fix(checkpoint):
     config = read_config(checkpoint)
     with pytest.raises(ConfigError, match="no draft model .* set speculative_tokens=0"):
         EngineConfig(speculative_tokens=1).resolve(config)
@@ -222,6 +222,8 @@ def test_speculation_and_quantized_state_fail_naming_the_fix(checkpoint):
         LLM(checkpoint, speculative_tokens=2)
     with pytest.raises(ConfigError, match="state_dtype='fp8'.* set state_dtype='auto'"):
         LLM(checkpoint, state_dtype="fp8")
+    with pytest.raises(ConfigError, match="qwen3_moe model has no fixed-shape forward yet; use compile='off'"):
+        LLM(checkpoint, compile="trace")
 
 
 def _rewrite(checkpoint, dest, edit) -> None:

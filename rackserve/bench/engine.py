@@ -1,12 +1,21 @@
-"""Offline throughput of the engine against transformers' `generate`, on the tiny checkpoint.
+"""Offline throughput and decode step time of the engine, eager and compiled, against transformers'
+`generate`, on the tiny checkpoint.
 
     python -m rackserve.bench.engine [--requests 64] [--isl 256] [--osl 128] [--batch 32]
+                                     [--step-batches 1,8,32,128] [--compile on]
 
-Both sides generate `--osl` greedy tokens (EOS ignored) for `--requests` prompts of `--isl` tokens.
-Ours runs them through continuous batching with `max_num_seqs = --batch`; the reference runs
-`generate` on batches of `--batch` prompts (equal lengths, so no padding is wasted). Also printed:
-the host-side share of a pure decode step (scheduling, batch preparation, sampling and output
-handling, i.e. everything but the model forward). The machine is shared and noisy: read ratios.
+Throughput: every side generates `--osl` greedy tokens (EOS ignored) for `--requests` prompts of
+`--isl` tokens. Ours runs them through continuous batching with `max_num_seqs = --batch`, eager and
+with the decode forward on fixed shapes (`--compile`: "on" compiles with inductor; "trace" only
+traces, for a quick check); the reference runs `generate` on batches of `--batch` prompts (equal
+lengths, no padding wasted). The compiled engine's first run pays compilation (cached on disk by
+inductor); it is reported apart and the timed runs come after it.
+
+Decode step: for each batch size of `--step-batches`, that many requests decode together; the
+median step time, and within it the host's time (scheduling, batch preparation, sampling, output
+handling: all but the model forward), which runs serially with the forward, i.e. all of it is on
+the critical path. transformers' step: the time of `generate` per new token beyond the first.
+The machine is shared and noisy: read ratios and medians.
 """
 
 from __future__ import annotations
@@ -20,21 +29,69 @@ from rackserve.bench import script
 from rackserve.engine import LLM, SamplingParams
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
 
+STEP_PROMPT, STEP_TOKENS = 64, 16  # decode-step table: prompt length, decode steps timed
 
-class _TimedModel:
-    """Wraps the model to accumulate forward time (seconds) between resets."""
 
-    def __init__(self, model):
-        self.model, self.seconds = model, 0.0
+class _Timed:
+    """Wraps a callable to accumulate its time (seconds)."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds = fn, 0.0
 
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
-        out = self.model(*args, **kwargs)
+        out = self.fn(*args, **kwargs)
         self.seconds += time.perf_counter() - t0
         return out
 
     def __getattr__(self, name):
-        return getattr(self.model, name)
+        return getattr(self.fn, name)
+
+
+class _Engine:
+    """One of our engines under test, its forwards timed (eager and fixed-shape alike)."""
+
+    def __init__(self, name: str, compile: str, batch: int, max_len: int):
+        self.name = name
+        self.llm = LLM("tiny", max_num_seqs=batch, max_num_batched_tokens=max(2048, batch + 1), max_model_len=max_len,
+                       block_size=128, prefix_caching=False, compile=compile, graph_buckets=(1, 8, 32, 128))
+        self.engine = self.llm.engine
+        runner = self.engine.runner
+        self.forward = runner.model = _Timed(runner.model)
+        if runner.graphs is not None:
+            self.graphs = runner.graphs.forward = _Timed(runner.graphs.forward)
+
+    @property
+    def forward_s(self) -> float:
+        return self.forward.seconds + (self.graphs.seconds if hasattr(self, "graphs") else 0.0)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> float:
+        """Seconds to run `prompts` to completion."""
+        for row in prompts:
+            self.engine.add_request(row, params)
+        t0 = time.perf_counter()
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return time.perf_counter() - t0
+
+    def decode_steps(self, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+        """(median step seconds, median host seconds of a step) over `steps` pure decode steps."""
+        params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+        for row in prompts:
+            self.engine.add_request(row, params)
+        sched = self.engine.scheduler
+        while sched.waiting or any(len(r.token_ids) - r.num_computed > 1 for r in sched.running):
+            self.engine.step()  # prefill
+        step_s, host_s = [], []
+        for _ in range(steps):
+            f0, t0 = self.forward_s, time.perf_counter()
+            self.engine.step()
+            step = time.perf_counter() - t0
+            step_s.append(step)
+            host_s.append(step - (self.forward_s - f0))
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return statistics.median(step_s), statistics.median(host_s)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -43,60 +100,80 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--isl", type=int, default=256)
     parser.add_argument("--osl", type=int, default=128)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--step-batches", type=script.int_list, default="1,8,32,128")
+    parser.add_argument("--compile", choices=("on", "trace"), default="on")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each side; medians reported")
     args = parser.parse_args(argv)
     from transformers import DeepseekV4ForCausalLM
 
-    llm = LLM("tiny", max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch + 1),
-              max_model_len=args.isl + args.osl + 1, prefix_caching=False)
-    engine = llm.engine
     ref = DeepseekV4ForCausalLM.from_pretrained(ensure_tiny(), dtype=torch.float32).eval()
+    vocab = ref.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(2, engine.model.config.vocab_size, (args.requests, args.isl), generator=g)
+    prompts = torch.randint(2, vocab, (args.requests, args.isl), generator=g)
+    max_len = max(args.isl + args.osl, STEP_PROMPT + STEP_TOKENS + 2) + 1
+    compiled = f"compiled ({args.compile})"
+
+    def engines(batch: int) -> list[_Engine]:
+        return [_Engine("eager", "off", batch, max_len), _Engine(compiled, args.compile, batch, max_len)]
+
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
-    timed = _TimedModel(engine.model)
-    engine.runner.model = timed
 
-    def ours() -> float:
-        for row in prompts.tolist():
-            engine.add_request(row, params)
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            before_model, s0 = timed.seconds, time.perf_counter()
-            engine.step()
-            step_s, model_s = time.perf_counter() - s0, timed.seconds - before_model
-            sched = engine.scheduler
-            if not sched.waiting and all(len(r.token_ids) - r.num_computed == 1 for r in sched.running):
-                host_shares.append((step_s - model_s) / step_s)
-        return time.perf_counter() - t0
-
-    def reference() -> float:
+    def reference(rows: torch.Tensor, new_tokens: int, per_batch: int) -> float:
         t0 = time.perf_counter()
         with torch.no_grad():
-            for i in range(0, args.requests, args.batch):
-                ref.generate(prompts[i:i + args.batch], max_new_tokens=args.osl, min_new_tokens=args.osl,
+            for i in range(0, len(rows), per_batch):
+                ref.generate(rows[i:i + per_batch], max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, pad_token_id=2)
         return time.perf_counter() - t0
 
-    host_shares: list[float] = []
-    ours_s, ref_s = [], []
+    # the step table first: it compiles the shapes of batches 1 … 128; then throughput at --batch
+    steps: dict[int, dict[str, float]] = {}
+    ours = engines(max(args.step_batches))
+    for b in args.step_batches:
+        rows = torch.randint(2, vocab, (b, STEP_PROMPT), generator=g)
+        row = {}
+        for engine in ours:
+            engine.decode_steps(rows.tolist(), 2)  # compiles this batch's shapes
+            row[engine.name], row[f"{engine.name} host"] = engine.decode_steps(rows.tolist(), STEP_TOKENS)
+        first, last = reference(rows, 1, b), reference(rows, STEP_TOKENS + 1, b)
+        row["transformers"] = (last - first) / STEP_TOKENS
+        steps[b] = row
+
+    throughput_engines = engines(args.batch)
+    compile_s = throughput_engines[1].generate(prompts.tolist(), params)  # first run: compiles
+    times: dict[str, list[float]] = {e.name: [] for e in throughput_engines} | {"transformers": []}
     for _ in range(args.repeats):
-        ours_s.append(ours())
-        ref_s.append(reference())
+        for engine in throughput_engines:
+            times[engine.name].append(engine.generate(prompts.tolist(), params))
+        times["transformers"].append(reference(prompts, args.osl, args.batch))
+
     out_tokens = args.requests * args.osl
-    ours_tps, ref_tps = out_tokens / statistics.median(ours_s), out_tokens / statistics.median(ref_s)
-    ratios = sorted(r / o for o, r in zip(ours_s, ref_s, strict=True))
-    host = statistics.median(host_shares) if host_shares else float("nan")
+    tps = {name: out_tokens / statistics.median(s) for name, s in times.items()}
+    ref_tps = tps["transformers"]
     print(f"{args.requests} requests, ISL {args.isl}, OSL {args.osl}, batch {args.batch}; tiny model, fp32, "
           f"{torch.get_num_threads()} CPU threads; medians of {args.repeats} alternating runs")
-    print(f"{'engine':<36} {'seconds':>8} {'output tok/s':>13}")
-    print(f"{'rackserve (continuous batching)':<36} {statistics.median(ours_s):>8.2f} {ours_tps:>13.1f}")
-    print(f"{'transformers generate (batched)':<36} {statistics.median(ref_s):>8.2f} {ref_tps:>13.1f}")
-    print(f"throughput ratio: {ours_tps / ref_tps:.2f}x (per run: {', '.join(f'{r:.2f}' for r in ratios)}); "
-          f"host share of a decode step (median): {host:.1%}")
+    print(f"{'engine':<34} {'seconds':>8} {'output tok/s':>13} {'vs transformers':>16}")
+    for name, s in times.items():
+        print(f"{name:<34} {statistics.median(s):>8.2f} {tps[name]:>13.1f} {tps[name] / ref_tps:>15.2f}x")
+    print(f"(the compiled engine's first run, compiling its shapes: {compile_s:.1f} s)")
+    print()
+    print(f"decode step (ms), {STEP_PROMPT}-token prompts; host = step minus forward, all of it on the critical path")
+    print(f"{'batch':>5} {'eager':>8} {'compiled':>9} {'transformers':>13} {'compiled vs tf':>15} "
+          f"{'host eager':>11} {'host compiled':>14} {'host share':>11}")
+    for b, row in steps.items():
+        c, e = row[compiled], row["eager"]
+        print(f"{b:>5} {e * 1e3:>8.2f} {c * 1e3:>9.2f} {row['transformers'] * 1e3:>13.2f} "
+              f"{row['transformers'] / c:>14.2f}x {row['eager host'] * 1e3:>11.2f} "
+              f"{row[f'{compiled} host'] * 1e3:>14.2f} {row[f'{compiled} host'] / c:>10.1%}")
     result = {"bench": "engine", "requests": args.requests, "isl": args.isl, "osl": args.osl, "batch": args.batch,
-              "ours_tok_s": round(ours_tps, 1), "ref_tok_s": round(ref_tps, 1),
-              "speedup": round(ours_tps / ref_tps, 2), "host_share_decode": round(host, 3)}
+              "compile": args.compile, "ref_tok_s": round(ref_tps, 1),
+              "eager_tok_s": round(tps["eager"], 1), "compiled_tok_s": round(tps[compiled], 1),
+              "eager_speedup": round(tps["eager"] / ref_tps, 2), "compiled_speedup": round(tps[compiled] / ref_tps, 2),
+              "first_compiled_run_s": round(compile_s, 1),
+              "step_ms": {b: {"eager": round(r["eager"] * 1e3, 3), "compiled": round(r[compiled] * 1e3, 3),
+                              "transformers": round(r["transformers"] * 1e3, 3)} for b, r in steps.items()},
+              "host_share_compiled": {b: round(r[f"{compiled} host"] / r[compiled], 3) for b, r in steps.items()},
+              "host_share_eager": {b: round(r["eager host"] / r["eager"], 3) for b, r in steps.items()}}
     return script.headline(result)
 
 

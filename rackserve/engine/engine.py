@@ -10,8 +10,9 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from rackserve.config import EngineConfig
+from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine.detokenizer import IncrementalDetokenizer
+from rackserve.engine.graphs import DecodeGraphs
 from rackserve.engine.gang import ExpertBalancer, Gang, sync
 from rackserve.engine.kv_port import KVPort
 from rackserve.engine.request import Request, RequestOutput
@@ -56,9 +57,23 @@ class Engine:
         self.speculator = Speculator(model, self.cache, c.speculative_tokens) if c.speculative_tokens else None
         self.runner = Runner(model, self.cache, self.speculator)
         self.balancer = None
-        if gang is not None:
+        if gang is not None or c.compile != "off":
             self.runner.dummy = self.cache.allocate()
             self.cache.reserve(self.runner.dummy, 1)
+        if c.compile != "off":
+            if not hasattr(model, "static_forward"):
+                raise ConfigError(f"compile={c.compile!r}: the {model.config.model_type} model has no fixed-shape "
+                                  "forward yet; use compile='off'")
+            if gang is not None:
+                raise ConfigError(f"compile={c.compile!r} runs a single engine's decode on fixed shapes; a DP rank "
+                                  "exchanges tokens with its peers inside the forward, which cannot be captured "
+                                  "yet: use compile='off' in an instance")
+            k = c.speculative_tokens
+            self.runner.graphs = DecodeGraphs(model, self.cache.state, self.runner.dummy, c.compile,
+                                              [b for b in c.graph_buckets if b <= c.max_num_seqs * (1 + k)],
+                                              self.cache.pages_for(c.max_model_len), 1 + k)
+        if gang is not None:
+            self.runner.lockstep = True
             self.balancer = ExpertBalancer(model.moe_layers, gang, c.eplb_interval, c.eplb_min_gain,
                                            model.draft_moe_layers if self.speculator else [])
         self.gang_tokens = np.zeros(0, np.int64)  # tokens each gang member ran in the last step

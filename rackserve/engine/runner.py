@@ -19,6 +19,7 @@ import itertools
 
 import torch
 
+from rackserve.engine.graphs import DecodeGraphs
 from rackserve.engine.request import TokenLogprobs
 from rackserve.engine.sampling import SamplingBatch, sample
 from rackserve.engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
@@ -53,7 +54,10 @@ class Runner:
         self.model, self.cache, self.speculator = model, cache, speculator
         self.drafter = speculator.drafter if speculator is not None else None
         self.device = model.device
-        self.dummy: CacheHandle | None = None  # a scratch request for dummy forwards (DP ranks)
+        # a scratch request for dummy forwards (DP ranks) and the padding of fixed-shape passes
+        self.dummy: CacheHandle | None = None
+        self.lockstep = False  # one DP rank of a gang: every pass runs the same forwards as the peers'
+        self.graphs: DecodeGraphs | None = None  # decode passes on fixed shapes (EngineConfig.compile)
 
     def draft_forwards(self, out: SchedulerOutput) -> int:
         """The draft forwards `execute(out)` runs after its passes: the speculator's when some
@@ -91,17 +95,24 @@ class Runner:
         verification of the chunks it finishes, rollback of rejected drafts, and advancing."""
         requests = [(c.request.handle, ids) for c, ids in part]
         num_drafts = [len(c.draft_ids) for c, _ in part]
-        batch = self.model.build_batch(self.cache.state, requests, num_logits=[1 + n for n in num_drafts])
+        shape = self.graphs.shape_for(requests) if self.graphs is not None else None
+        batch = self.model.build_batch(self.cache.state, requests, num_logits=[1 + n for n in num_drafts],
+                                       static=shape, scratch=self.dummy if shape else None)
         lens = [len(ids) for _, ids in part]
+        rows = shape.tokens if shape else sum(lens)  # token rows of the forward, padding included
         # without a drafter there are no drafts, and none of this bookkeeping is needed
-        speculative = self._last_rows(lens, num_drafts) if self.drafter is not None else None
+        speculative = self._last_rows(lens, num_drafts, rows) if self.drafter is not None else None
         rollback = self.model.rollback(self.cache.state, batch, speculative) if any(num_drafts) else None
-        if self.drafter is None:
-            logits, follow = self.model(batch, self.cache.state), None
+        if shape is not None:
+            logits, streams = self.graphs.forward(shape, batch)
+        elif self.drafter is None:
+            logits = self.model(batch, self.cache.state)
         else:
             logits, streams = self.model(batch, self.cache.state, with_streams=True)
+        follow = None
+        if self.drafter is not None:
             follow = self.drafter.follow(requests, streams, speculative)
-            if follow is None and self.dummy is not None:
+            if follow is None and self.lockstep:
                 self.drafter.dummy_forward(self.dummy)  # a gang's passes all run the draft layer once
 
         finishing = [i for i, (c, ids) in enumerate(part)
@@ -117,7 +128,7 @@ class Runner:
                 self.speculator.count(num_drafts[i], accepted[i])
         rejected_count = [n - a for n, a in zip(num_drafts, accepted)]
         if rollback is not None:
-            rejected = self._last_rows(lens, rejected_count)
+            rejected = self._last_rows(lens, rejected_count, rows)
             rollback.undo(rejected)
             if follow is not None:
                 follow.undo(rejected)
@@ -131,13 +142,14 @@ class Runner:
             self.cache.advance(chunk.request.handle, len(ids) - num_drafts[i] + accepted[i],
                                chunk.request.token_ids + kept)
 
-    def _last_rows(self, lens: list[int], counts: list[int]) -> torch.Tensor:
-        """Bool `[sum(lens)]` on the device: the last `counts[i]` of request i's `lens[i]` token rows
-        (its drafts, or its rejected drafts)."""
+    def _last_rows(self, lens: list[int], counts: list[int], rows: int) -> torch.Tensor:
+        """Bool `[rows]` on the device: the last `counts[i]` of request i's `lens[i]` token rows (its
+        drafts, or its rejected drafts); rows past `sum(lens)` (padding) are False."""
         lens_t = torch.tensor(lens)
         ends = torch.cumsum(lens_t, 0)
         row_req = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
-        return (torch.arange(int(ends[-1])) >= (ends - torch.tensor(counts))[row_req]).to(self.device)
+        mine = torch.arange(int(ends[-1])) >= (ends - torch.tensor(counts))[row_req]
+        return torch.cat([mine, mine.new_zeros(rows - len(mine))]).to(self.device)
 
     def dummy_forward(self) -> None:
         """One token through the model (and the draft layer, as a real pass with speculation) on the

@@ -4,11 +4,15 @@
 `TRITON_INTERPRET=1`, the Triton interpreter, which is how the kernels are tested without a GPU).
 The default, `auto`, picks by the device of the op's first tensor. Ops without a Triton kernel yet
 run their torch reference on every backend.
+
+Under `torch.compile` (`rackserve.engine.graphs`) the ops are traced like any torch code, except
+those in `OPAQUE`, whose torch reference the compiler cannot trace (a grouped GEMM without a CPU
+kernel for fake tensors, shapes that depend on the data): compiled code calls them as custom ops,
+`torch.ops.rackserve.<op>`, whose output shape is the input's.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 from collections.abc import Callable
@@ -55,17 +59,46 @@ def implementation(op: str, device: torch.device) -> Callable:
     return _resolve(op, backend(device))
 
 
-@functools.cache
+# imported once here, not on first use: torch.compile cannot trace `importlib` inside a forward
+_MODULES = {name: importlib.import_module(f"rackserve.kernels.{name}") for name in sorted(set(OPS.values()))}
+
+
 def _resolve(op: str, chosen: str) -> Callable:
-    # cached: the model calls ops on every layer of every step, the lookup need not be repeated
-    module = importlib.import_module(f"rackserve.kernels.{OPS[op]}")
+    module = _MODULES[OPS[op]]
     if chosen == "triton" and hasattr(module, f"{op}_triton"):
         return getattr(module, f"{op}_triton")
     return getattr(module, f"{op}_torch")
 
 
+def _moe_ffn_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, limit: float) -> torch.Tensor:
+    return implementation("moe_ffn", x.device)(x, ids, weights, gate_up, down, limit)
+
+
+def _moe_ffn_quantized_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                          gate_up_scales: torch.Tensor, down: torch.Tensor, down_scales: torch.Tensor,
+                          limit: float) -> torch.Tensor:
+    return implementation("moe_ffn_quantized", x.device)(x, ids, weights, gate_up, gate_up_scales, down,
+                                                          down_scales, limit)
+
+
+def _opaque(name: str, fn: Callable):
+    op = torch.library.custom_op(f"rackserve::{name}", fn, mutates_args=())
+    op.register_fake(lambda x, *args: x.new_empty(x.shape))
+    return op
+
+
+# op name -> its custom op, which compiled code calls instead of tracing the op
+OPAQUE = {"moe_ffn": _opaque("moe_ffn", _moe_ffn_op),
+          "moe_ffn_quantized": _opaque("moe_ffn_quantized", _moe_ffn_quantized_op)}
+
+
 def _op(name: str) -> Callable:
+    opaque = OPAQUE.get(name)
+
     def run(first: torch.Tensor, *args, **kwargs):
+        if opaque is not None and torch.compiler.is_compiling():
+            return opaque(first, *args, **kwargs)
         return implementation(name, first.device)(first, *args, **kwargs)
 
     run.__name__ = name

@@ -53,6 +53,16 @@ class ModelSpec(Protocol):
         draft model's state too); `state_dtype` as `EngineConfig.state_dtype`."""
 
 
+@dataclass(frozen=True)
+class StaticShape:
+    """The fixed shape of a padded batch (`ServingModel.build_batch(static=…)`), which a compiled or
+    captured forward is specialised to: `tokens` token rows (real ones first, then padding) and page
+    tables `pages` wide."""
+
+    tokens: int
+    pages: int
+
+
 class Rollback(Protocol):
     """Gives back the state rows a forward's speculative tokens wrote (see `ServingModel.rollback`)."""
 
@@ -87,10 +97,20 @@ class ServingModel(Protocol):
         """The drafting layer's MoE layers (balanced on their own); empty without a draft model."""
 
     def build_batch(self, state: PagedState, requests: Sequence[BatchRequest],
-                    num_logits: Sequence[int] | None = None) -> Any: ...
+                    num_logits: Sequence[int] | None = None, static: StaticShape | None = None,
+                    scratch: RequestState | None = None) -> Any:
+        """With `static`, every tensor of the batch has a shape that depends on `static` alone: the
+        requests are padded with one-token requests on `scratch` (a request at 0 tokens that holds a
+        page and never advances) to `static.tokens` token rows, and the logits rows to as many;
+        rows past the real ones are padding."""
 
     def __call__(self, batch: Any, state: PagedState,
                  with_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+    def static_forward(self, batch: Any, state: PagedState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of a batch built with `static`, as `torch.compile` and CUDA graph capture take
+        it: (logits, streams), no host synchronisation, no shape that depends on the data, and no
+        inference mode (which the compiler cannot trace; run it with grad off)."""
 
     def rollback(self, state: PagedState, batch: Any, speculative: torch.Tensor) -> Rollback:
         """Save, before `batch` runs, the main layers' state rows its `speculative` tokens (bool `[T]`)

@@ -19,6 +19,7 @@ import torch
 from rackserve.models.deepseek_v4.config import CSA, SLIDING, ModelConfig
 from rackserve.kernels.attention import gather_rows
 from rackserve.models.deepseek_v4.state import ModelState, RequestState, ring_len
+from rackserve.models.interface import StaticShape
 
 
 @dataclass
@@ -80,23 +81,37 @@ class ForwardBatch:
     @classmethod
     def build(cls, state: ModelState, requests: Sequence[tuple[RequestState, Sequence[int]]],
               all_logits: bool = False, num_logits: Sequence[int] | None = None,
-              kinds: Collection[str] | None = None) -> "ForwardBatch":
+              kinds: Collection[str] | None = None, static: StaticShape | None = None,
+              scratch: RequestState | None = None) -> "ForwardBatch":
         """Batch `requests` = [(state handle, new token ids)], each continuing at `handle.num_tokens`.
 
         The handles must already `reserve` room for their new tokens. Logits come back for the last
         new token of each request, for every token when `all_logits`, or for the last `num_logits[r]`
         tokens of request r. `kinds`: the layer kinds the forward runs (default: every kind of the
         state); compression plans are made for those only.
+
+        With `static`, the shapes depend on `static` alone (a compiled or captured forward replays
+        them): one-token requests on `scratch` (at 0 tokens, holding a page) pad the tokens, each
+        plan's new entries are padded to one per token (the padding writes a row of `scratch`'s page),
+        every token sees `static.pages` pages of entries (masked past its own), and the logits rows
+        are padded to `static.tokens`.
         """
         config: ModelConfig = state.config
         kinds = set(state.layer_types if kinds is None else kinds) - {SLIDING}
         device = state.swa[0].device
+        if static is not None:
+            pad = static.tokens - sum(len(ids) for _, ids in requests)
+            if pad < 0 or max((len(h.pages) for h, _ in requests), default=0) > static.pages or scratch is None:
+                raise ValueError(f"a static batch of {static} needs a scratch request and at most "
+                                 f"{static.tokens} tokens and {static.pages} pages per request")
+            requests = [*requests, *[(scratch, [0])] * pad]
+            num_logits = [*(num_logits or [1] * (len(requests) - pad)), *[1] * pad]
         lens = torch.tensor([len(ids) for _, ids in requests], dtype=torch.long)
         if (lens <= 0).any():
             raise ValueError("every request in a batch needs at least one new token")
         starts = torch.tensor([h.num_tokens for h, _ in requests], dtype=torch.long)
         slots = torch.tensor([h.slot for h, _ in requests], dtype=torch.long)
-        max_pages = max(1, max(len(h.pages) for h, _ in requests))
+        max_pages = max(1, max(len(h.pages) for h, _ in requests)) if static is None else static.pages
         page_table = torch.zeros(len(requests), max_pages, dtype=torch.long)
         for r, (h, ids) in enumerate(requests):
             if kinds and state.pages_for(h.num_tokens + len(ids)) > len(h.pages):
@@ -112,13 +127,14 @@ class ForwardBatch:
         req = torch.repeat_interleave(torch.arange(len(requests)), lens)  # [T]
         positions = starts[req] + torch.arange(len(input_ids)) - offsets[req]
         geo = _Geometry(req, starts, ends, offsets, slots, positions, state.num_slots)
+        trash = None if static is None else (scratch.slot, scratch.pages[0] if scratch.pages else 0)
 
         w = config.sliding_window
         swa = geo.ring_gather(positions[:, None] - (w - 1) + torch.arange(w), req, w)
         plans = {}
         for kind in sorted(kinds):
             rate = config.rate(kind)
-            plans[kind] = geo.compress_plan(kind, rate, state.block_size // rate, page_table)
+            plans[kind] = geo.compress_plan(kind, rate, state.block_size // rate, page_table, trash)
 
         if all_logits:
             logits_rows = torch.arange(len(input_ids))
@@ -129,7 +145,9 @@ class ForwardBatch:
             logits_rows = (offsets + lens - counts)[owner] + within
         else:
             logits_rows = offsets + lens - 1
-        batch = cls(input_ids, positions, logits_rows, swa, geo.ring_write(w), plans)
+        if static is not None:
+            logits_rows = _pad(logits_rows, static.tokens, 0)
+        batch = cls(input_ids, positions, logits_rows, swa, geo.ring_write(w, trash), plans)
         return batch.to(device)
 
     def to(self, device: torch.device | str) -> "ForwardBatch":
@@ -164,14 +182,19 @@ class _Geometry:
         ring_row = self.slots[owner][:, None] * length + pos.clamp(min=0) % length
         return RingGather(torch.where(pos >= start, new_row, ring_row), pos >= 0)
 
-    def ring_write(self, length: int) -> RingWrite:
-        """Write the last `length` new positions of each request into its ring."""
+    def ring_write(self, length: int, trash: tuple[int, int] | None = None) -> RingWrite:
+        """Write the last `length` new positions of each request into its ring; with `trash` (the
+        scratch request's slot and page), padded to one write per token, the padding onto row 0 of
+        the scratch slot's ring."""
         keep = self.positions >= self.ends[self.req] - length
         src = keep.nonzero().squeeze(1)
         dst = self.slots[self.req[src]] * length + self.positions[src] % length
+        if trash is not None:
+            src, dst = _pad(src, len(self.positions), 0), _pad(dst, len(self.positions), trash[0] * length)
         return RingWrite(src, dst)
 
-    def compress_plan(self, kind: str, rate: int, per_page: int, page_table: torch.Tensor) -> CompressPlan:
+    def compress_plan(self, kind: str, rate: int, per_page: int, page_table: torch.Tensor,
+                      trash: tuple[int, int] | None = None) -> CompressPlan:
         first = self.starts // rate  # first entry completed in this step
         count = self.ends // rate - first
         owner = torch.repeat_interleave(torch.arange(len(count)), count)
@@ -182,11 +205,26 @@ class _Geometry:
         new_entries = self.ring_gather(lo[:, None] + torch.arange(width), owner, width)
         entry_dst = page_table[owner, w // per_page] * per_page + w % per_page
         entry_src = self.offsets[owner] + (w + 1) * rate - 1 - self.starts[owner]
+        if trash is None:
+            entries = int(((self.positions + 1) // rate).max()) if len(self.positions) else 0
+        else:
+            # one entry per token at most (each completes at its own token); the padding pools valid
+            # rows (a softmax over none would be NaN) into a row of the scratch request's page
+            n = len(self.positions)
+            new_entries = RingGather(_pad(new_entries.rows, n, 0), _pad(new_entries.valid, n, True))
+            entry_dst, entry_src = _pad(entry_dst, n, trash[1] * per_page), _pad(entry_src, n, 0)
+            w = _pad(w, n, 0)
+            entries = page_table.shape[1] * per_page
 
         seen = (self.positions + 1) // rate  # entries complete at each token
-        e = torch.arange(int(seen.max()) if len(seen) else 0)
+        e = torch.arange(entries)
         pages = page_table[self.req][:, (e // per_page).clamp(max=page_table.shape[1] - 1)]
         visible_row = pages * per_page + e % per_page
         visible = e[None, :] < seen[:, None]
-        return CompressPlan(rate, new_entries, entry_dst, w * rate, entry_src, self.ring_write(width), visible_row,
-                            visible)
+        return CompressPlan(rate, new_entries, entry_dst, w * rate, entry_src, self.ring_write(width, trash),
+                            visible_row, visible)
+
+
+def _pad(x: torch.Tensor, n: int, value) -> torch.Tensor:
+    """x `[M, …]` -> `[n, …]`: rows M … n-1 filled with `value`."""
+    return torch.cat([x, x.new_full((n - len(x), *x.shape[1:]), value)])

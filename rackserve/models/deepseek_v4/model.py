@@ -92,8 +92,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.config = replace(self.config, num_nextn_predict_layers=0, mtp_layer_types=())
 
     # ---- what the engine calls (`ServingModel`) ------------------------------------------------------
-    def build_batch(self, state: ModelState, requests, num_logits=None) -> ForwardBatch:
-        return ForwardBatch.build(state, requests, num_logits=num_logits)
+    def build_batch(self, state: ModelState, requests, num_logits=None, static=None, scratch=None) -> ForwardBatch:
+        return ForwardBatch.build(state, requests, num_logits=num_logits, static=static, scratch=scratch)
 
     def rollback(self, state: ModelState, batch: ForwardBatch, speculative: torch.Tensor) -> Rollback:
         return Rollback(state, batch, speculative, range(self.config.num_hidden_layers))
@@ -112,14 +112,20 @@ class DeepseekV4ForCausalLM(CausalLM):
         Writes the new tokens' state into `state`; the caller advances each request's
         `num_tokens` once the step is accepted.
         """
+        logits, streams = self.static_forward(batch, state)
+        return (logits, streams) if with_streams else logits
+
+    def static_forward(self, batch: ForwardBatch, state: ModelState) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with streams, outside inference mode: what `torch.compile` traces and a CUDA graph
+        captures (for a batch built with `static`, nothing in it syncs with the host or depends on the
+        data's shape). Run it with grad off."""
         m = self.model
         x = m.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in m.layers:
             streams = layer(streams, batch, state, self.rotary(layer.self_attn.kind))
         hidden = m.norm(m.hc_head(streams.index_select(0, batch.logits_rows)))
-        logits = self.lm_head(hidden).float()
-        return (logits, streams) if with_streams else logits
+        return self.lm_head(hidden).float(), streams
 
     @torch.inference_mode()
     def mtp_streams(self, hidden: torch.Tensor, batch: ForwardBatch, state: ModelState) -> torch.Tensor:

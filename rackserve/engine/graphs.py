@@ -1,0 +1,158 @@
+"""Decode forwards on a few fixed shapes, each compiled or captured once and replayed every step.
+
+A decode pass (every request runs its last token, and its drafts when speculating) is padded to a
+bucket of token rows (`EngineConfig.graph_buckets`) and a power-of-two number of pages, with
+padding requests on the engine's scratch request, so a handful of shapes covers every step. The
+model family builds the batch with that shape (`ServingModel.build_batch(static=…)`); it is copied
+into the shape's own buffers, and the shape's forward runs:
+- `compile="on"` on CUDA: a CUDA graph of the eager forward, captured at the shape's first use
+  (launch overhead gone; the kernels are the Triton ones of `rackserve.kernels`);
+- `compile="on"` elsewhere: `torch.compile` (inductor) with `fullgraph=True`, so a graph break is
+  an error, not a silent slowdown; inductor caches the generated code on disk
+  (`TORCHINDUCTOR_CACHE_DIR`), so a restart pays tracing only;
+- `compile="trace"`: dynamo traces the forward into one graph and runs it op by op without code
+  generation: checks in seconds that the forward is capture-safe (tests, debugging).
+A shape that fails to compile or capture runs eager from then on, with a warning naming the cause;
+passes that are not decode (prefill chunks) and those larger than the largest bucket run eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import fields, is_dataclass
+
+import torch
+
+from rackserve.models.interface import BatchRequest, ServingModel, StaticShape
+from rackserve.models.state import PagedState, RequestState
+
+log = logging.getLogger(__name__)
+
+
+def _leaves(x) -> list[torch.Tensor]:
+    """The tensors of a batch (dataclasses, dicts, lists of tensors), in a fixed order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if is_dataclass(x):
+        return [t for f in fields(x) for t in _leaves(getattr(x, f.name))]
+    if isinstance(x, dict):
+        return [t for k in sorted(x) for t in _leaves(x[k])]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _leaves(v)]
+    return []
+
+
+class _Shape:
+    """One shape's buffers (a batch whose tensors are overwritten each step) and its runnable."""
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.buffers = _leaves(batch)
+        self.run = None  # () -> (logits, streams); None: eager (compiling or capturing failed)
+
+
+class DecodeGraphs:
+    """The compiled or captured decode forwards of one engine, one per `StaticShape`."""
+
+    def __init__(self, model: ServingModel, state: PagedState, scratch: RequestState, mode: str,
+                 buckets: Sequence[int], max_pages: int, max_new_tokens: int):
+        """mode: "on" or "trace" (`EngineConfig.compile`); buckets: token counts a pass is padded to;
+        max_pages: the most pages a request can hold; max_new_tokens: the most tokens a request runs
+        in a decode pass (1 + speculative tokens)."""
+        self.model, self.state, self.scratch, self.mode = model, state, scratch, mode
+        self.buckets, self.max_new_tokens = sorted(buckets), max_new_tokens
+        self.page_buckets = [1 << i for i in range(max(1, max_pages - 1).bit_length())] + [max_pages]
+        self.page_buckets = sorted({p for p in self.page_buckets if p <= max_pages})
+        self.cuda = model.device.type == "cuda"
+        self.shapes: dict[StaticShape, _Shape] = {}
+        self.replays = 0  # passes run on a fixed shape
+        self.failures = 0  # shapes that failed to compile or capture (they run eager)
+        if not self.cuda:
+            # every shape is its own specialisation of the one forward: let dynamo keep them all
+            limit = len(self.buckets) * len(self.page_buckets) + 8
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            torch._dynamo.config.accumulated_recompile_limit = max(
+                torch._dynamo.config.accumulated_recompile_limit, limit)
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
+
+    def shape_for(self, requests: Sequence[BatchRequest]) -> StaticShape | None:
+        """The fixed shape a pass over `requests` runs on, or None when it runs eager (a prefill chunk
+        in it, or more tokens than the largest bucket)."""
+        if any(len(ids) > self.max_new_tokens for _, ids in requests):
+            return None
+        tokens = sum(len(ids) for _, ids in requests)
+        pages = max(len(h.pages) for h, _ in requests)
+        bucket = next((b for b in self.buckets if b >= tokens), None)
+        page_bucket = next((p for p in self.page_buckets if p >= pages), None)
+        if bucket is None or page_bucket is None:
+            return None
+        return StaticShape(bucket, page_bucket)
+
+    def forward(self, shape: StaticShape, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `batch` (built with `static=shape`) -> (logits `[shape.tokens, vocab]`, streams
+        `[shape.tokens, …]`); rows past the real ones are padding. The outputs of a captured graph
+        are its own buffers: read them before the next call."""
+        entry = self.shapes.get(shape)
+        first = entry is None
+        if first:
+            entry = self.shapes[shape] = self._prepare(shape, batch)
+        else:
+            for dst, src in zip(entry.buffers, _leaves(batch), strict=True):
+                dst.copy_(src, non_blocking=True)
+        self.replays += 1
+        with torch.no_grad():
+            if entry.run is not None and first and not self.cuda:
+                try:  # torch.compile compiles at the first call, before it runs anything
+                    return entry.run()
+                except Exception as e:  # noqa: BLE001 - a shape that cannot compile runs eager
+                    self._failed(shape, e)
+                    entry.run = None
+            if entry.run is None:
+                return self.model.static_forward(entry.batch, self.state)
+            return entry.run()
+
+    def _prepare(self, shape: StaticShape, batch) -> _Shape:
+        """A new shape's buffers (holding `batch`) and its compiled or captured forward."""
+        try:
+            with torch.no_grad():
+                if self.cuda:
+                    # captured on a batch of padding only: the warm-up run writes only the scratch
+                    # request's rows (a verify pass run twice would overwrite window rows it reads)
+                    entry = _Shape(self.model.build_batch(self.state, [], static=shape, scratch=self.scratch))
+                    entry.run = self._capture(entry.batch)
+                    for dst, src in zip(entry.buffers, _leaves(batch), strict=True):
+                        dst.copy_(src)
+                else:
+                    entry = _Shape(batch)
+                    entry.run = self._compile(entry.batch)
+            return entry
+        except Exception as e:  # noqa: BLE001 - any failure leaves this shape eager, never the engine down
+            self._failed(shape, e)
+            return _Shape(batch)
+
+    def _failed(self, shape: StaticShape, e: Exception) -> None:
+        self.failures += 1
+        log.warning("decode shape %s runs eager: %s failed (%s: %s)", shape,
+                    "CUDA graph capture" if self.cuda else "torch.compile", type(e).__name__, e)
+
+    def _compile(self, batch):
+        fn = torch.compile(self.model.static_forward, fullgraph=True, dynamic=False,
+                           backend="eager" if self.mode == "trace" else "inductor")
+        return lambda: fn(batch, self.state)
+
+    def _capture(self, batch):
+        # warm-up outside the capture: Triton compiles its kernels here
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.model.static_forward(batch, self.state)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.model.static_forward(batch, self.state)
+
+        def run():
+            graph.replay()
+            return out
+        return run

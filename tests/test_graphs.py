@@ -1,0 +1,164 @@
+"""Decode on fixed shapes (`EngineConfig.compile`, `rackserve.engine.graphs`): the padded decode forward
+is one graph without breaks, and an engine running it gives what the eager engine gives, for ragged
+greedy and seeded workloads, speculative verify passes, P/D decode, preemption and aborts. "trace"
+runs the traced graph without code generation (seconds); one test compiles with inductor."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import assert_same_tokens, prompt
+from rackserve.config import ConfigError, EngineConfig
+from rackserve.engine import LLM, SamplingParams
+from rackserve.engine.graphs import _leaves
+from rackserve.models.deepseek_v4.config import CSA, HCA, SLIDING
+from rackserve.models.deepseek_v4.tiny import make_tiny
+from rackserve.models.interface import StaticShape
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+# ragged: prompts across window, compression and block boundaries, different output lengths, one sampled
+PROMPTS = [prompt(n, seed=400 + n) for n in (3, 17, 40, 64, 129, 200)]
+PARAMS = [SamplingParams(max_tokens=m, temperature=t, seed=5, ignore_eos=True, logprobs=2)
+          for m, t in [(24, 0.0), (9, 0.0), (30, 0.0), (16, 0.8), (21, 0.0), (12, 0.0)]]
+
+
+def generate(checkpoint, **kwargs):
+    llm = LLM(checkpoint, max_num_seqs=8, block_size=64, graph_buckets=(2, 4, 8, 32), **kwargs)
+    return llm, llm.generate(PROMPTS, PARAMS)
+
+
+def assert_same_outputs(checkpoint, got, want, tol: float = 1e-5) -> None:
+    """Same tokens (up to near-ties, `assert_same_tokens`) and, where equal, logprobs within `tol`."""
+    assert_same_tokens(checkpoint, PROMPTS, [c.token_ids for c in got], [c.token_ids for c in want], PARAMS)
+    for g, w in zip(got, want):
+        for a, b in zip(g.logprobs, w.logprobs):
+            if a.token_id != b.token_id:
+                break
+            assert abs(a.logprob - b.logprob) <= tol
+            assert [t for t, _ in a.top] == [t for t, _ in b.top] or abs(a.top[0][1] - a.top[1][1]) <= tol
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) <= tol
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_checkpoint):
+    return generate(tiny_checkpoint)[1]
+
+
+def test_the_padded_decode_forward_is_one_graph_without_breaks(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, max_num_seqs=4, prefix_caching=False, compile="trace")
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for n in (5, 33, 70):
+        engine.add_request(prompt(n, seed=n), params)
+    engine.step()
+    requests = [(r.handle, [r.token_ids[-1]]) for r in engine.scheduler.running]
+    for handle, _ in requests:
+        engine.cache.reserve(handle, 1)
+    shape = engine.runner.graphs.shape_for(requests)
+    assert shape == StaticShape(4, 8)  # 70 tokens + 1 in pages of 16 -> 5 pages -> bucket 8
+    batch = engine.model.build_batch(engine.cache.state, requests, static=shape, scratch=engine.runner.dummy)
+    with torch.no_grad():
+        explained = torch._dynamo.explain(engine.model.static_forward)(batch, engine.cache.state)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    # the batch's shapes depend on the shape alone, not on the requests
+    other = engine.model.build_batch(engine.cache.state, requests[:1], static=shape, scratch=engine.runner.dummy)
+    assert [t.shape for t in _leaves(batch)] == [t.shape for t in _leaves(other)]
+
+
+@pytest.mark.parametrize("state_dtype", ["auto", "fp8-fp4"])
+def test_traced_decode_equals_eager_on_a_ragged_workload(tiny_checkpoint, eager, state_dtype):
+    want = eager if state_dtype == "auto" else generate(tiny_checkpoint, state_dtype=state_dtype)[1]
+    llm, got = generate(tiny_checkpoint, compile="trace", state_dtype=state_dtype)
+    graphs = llm.engine.runner.graphs
+    assert graphs.failures == 0 and graphs.replays >= 25  # every decode step
+    assert {s.tokens for s in graphs.shapes} <= {2, 4, 8}
+    assert_same_outputs(tiny_checkpoint, got, want)
+
+
+def test_traced_verify_passes_equal_eager_with_three_drafts(tiny_checkpoint, eager):
+    llm, got = generate(tiny_checkpoint, compile="trace", speculative_tokens=3)
+    graphs = llm.engine.runner.graphs
+    assert graphs.failures == 0 and graphs.replays > 10
+    assert max(s.tokens for s in graphs.shapes) > 8  # verify passes: 1 + 3 tokens per request
+    assert_same_outputs(tiny_checkpoint, got, eager)
+    assert llm.engine.stats()["spec_drafts"] > 0
+
+
+def test_traced_decode_survives_preemption_and_aborts(tiny_checkpoint):
+    from test_engine import _bytes_for
+
+    kwargs = dict(max_num_seqs=6, max_num_batched_tokens=256, max_model_len=192, block_size=16)
+    prompts = [prompt(90 + 7 * i, seed=200 + i) for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in LLM(tiny_checkpoint, **kwargs).generate(prompts, params)]
+    # 20 pages (one is the scratch request's): the six requests together need ~50
+    llm = LLM(tiny_checkpoint, compile="trace", state_memory_mb=_bytes_for(kwargs, tiny_checkpoint, pages=20), **kwargs)
+    engine = llm.engine
+    ids = [engine.add_request(p, params).request_id for p in prompts]
+    extra = engine.add_request(prompt(50, seed=9), params).request_id
+    tokens = {rid: [] for rid in [*ids, extra]}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        if len(tokens[extra]) == 5:
+            engine.abort(extra)  # mid-stream, with its state in the padded passes
+    assert engine.stats()["preemptions"] > 0 and engine.runner.graphs.failures == 0
+    assert len(tokens[extra]) == 5
+    assert_same_tokens(tiny_checkpoint, prompts, [tokens[r] for r in ids], want, params)
+
+
+def test_pushed_state_decodes_on_traced_graphs_like_the_single_engine(tiny_checkpoint, eager):
+    from test_disagg import WORK, assert_like_single_engine, pair, run, submit
+
+    prefill, decode = pair(tiny_checkpoint, compile="trace")
+    for rid, (ids, params) in WORK.items():
+        submit(prefill, decode, rid, ids, params)
+    got, _ = run(prefill, decode, WORK)
+    assert decode.runner.graphs.replays > 0 and decode.runner.graphs.failures == 0
+    assert decode.stats()["kv_recomputed"] == 0
+    assert_like_single_engine(tiny_checkpoint, WORK, got)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_decode_equals_eager(tmp_path_factory):
+    """The real compiler (C++ code from inductor), on a 3-layer model with one of each attention kind,
+    on one shape (8 token rows, 2 pages), so the suite pays one compile."""
+    path = make_tiny(tmp_path_factory.mktemp("three-layers"), config={
+        "num_hidden_layers": 3, "layer_types": [HCA, SLIDING, CSA], "mlp_layer_types": ["hash_moe", "moe", "moe"]})
+    kwargs = dict(max_num_seqs=8, max_model_len=256, block_size=128, prefix_caching=False)
+    prompts = [prompt(130 + 9 * i, seed=600 + i) for i in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
+    want = LLM(path, **kwargs).generate(prompts, params)
+    llm = LLM(path, compile="on", graph_buckets=(8,), **kwargs)
+    got = llm.generate(prompts, params)
+    graphs = llm.engine.runner.graphs
+    assert list(graphs.shapes) == [StaticShape(8, 2)] and graphs.failures == 0 and graphs.replays >= 19
+    assert_same_tokens(path, prompts, [c.token_ids for c in got], [c.token_ids for c in want], params)
+    for g, w in zip(got, want):
+        for a, b in zip(g.logprobs, w.logprobs):
+            if a.token_id != b.token_id:
+                break
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) <= 1e-5
+
+
+def test_a_shape_that_fails_to_compile_runs_eager_with_a_warning(tiny_checkpoint, eager, monkeypatch, caplog):
+    def broken(*args, **kwargs):  # the injected fault: the compiler is unavailable
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level(logging.WARNING, logger="rackserve.engine.graphs"):
+        llm, got = generate(tiny_checkpoint, compile="on")
+    assert llm.engine.runner.graphs.failures == len(llm.engine.runner.graphs.shapes) > 0
+    assert "runs eager: torch.compile failed (RuntimeError: no C++ compiler found)" in caplog.text
+    assert_same_outputs(tiny_checkpoint, got, eager)
+
+
+def test_compile_settings_are_checked():
+    with pytest.raises(ConfigError, match="compile='fast' must be one of"):
+        EngineConfig(compile="fast")
+    with pytest.raises(ConfigError, match="graph_buckets=.* must be a list of positive"):
+        EngineConfig(graph_buckets=[0, 8])
+    assert EngineConfig(graph_buckets=[32, 8, 8]).graph_buckets == (8, 32)
