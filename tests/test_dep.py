@@ -104,7 +104,8 @@ def collect(results, procs, timeout: float = 300.0) -> list:
 ENGINE_WORK = {0: [(40, 11, 12), (9, 12, 20), (70, 13, 6)], 1: [(25, 14, 4)]}
 
 
-def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, eplb_interval: int, results) -> None:
+def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, eplb_interval: int, compile: str,
+                  results) -> None:
     from rackserve.collective import join
     from rackserve.config import EngineConfig
     from rackserve.engine import Engine, SamplingParams
@@ -116,7 +117,7 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, e
         # this rank holds the dense part and its slots' experts, as stored: what `rackserve memory` counts
         held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         assert held == weight_bytes(model.config, model.config.quantization, torch.float32).rank(SLOTS_PER_RANK)
-        config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, eplb_interval=eplb_interval)
+        config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, eplb_interval=eplb_interval, compile=compile)
         engine = Engine(model, config=config, gang=gang)
         reqs = [engine.add_request(prompt(n, seed=s), SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
                 for n, s, m in ENGINE_WORK[rank]]
@@ -127,6 +128,8 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, e
                 break
             dummy_steps += engine.gang_tokens[rank] == 0
         stats = engine.stats()
+        graphs = engine.runner.graphs
+        assert compile == "off" or (graphs.replays > 10 and graphs.failures == 0)
         results.put((rank, [r.output_ids for r in reqs], int(dummy_steps), stats["eplb_rebalances"],
                      stats["eplb_moved_slots"]))
     finally:
@@ -136,11 +139,14 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, e
 
 # eplb_interval 2: the experts are re-placed from the counted load every other step, weights moving
 # between the ranks while requests are in flight; nothing may change in the outputs. The EPLB case runs
-# the published FP8+FP4 checkpoint: experts are sharded and moved as stored (FP4 codes and UE8M0 scales).
+# the published FP8+FP4 checkpoint: experts are sharded and moved as stored (FP4 codes and UE8M0 scales),
+# and its decode runs on fixed shapes, traced in pieces between the exchanges (padding rows neither
+# travel nor count for EPLB), dummy forwards included.
 @pytest.mark.slow
-@pytest.mark.parametrize("eplb_interval,checkpoint", [(0, "tiny_checkpoint"), (2, "published_fp4")],
-                         ids=["static", "eplb-fp4"])
-def test_dep2_engines_in_lockstep_equal_the_single_process_engine(request, eplb_interval, checkpoint):
+@pytest.mark.parametrize("eplb_interval,checkpoint,compile", [(0, "tiny_checkpoint", "off"),
+                                                              (2, "published_fp4", "trace")],
+                         ids=["static", "eplb-fp4-traced"])
+def test_dep2_engines_in_lockstep_equal_the_single_process_engine(request, eplb_interval, checkpoint, compile):
     from rackserve.collective import RendezvousServer
     from rackserve.engine import LLM, SamplingParams
 
@@ -149,7 +155,7 @@ def test_dep2_engines_in_lockstep_equal_the_single_process_engine(request, eplb_
     results, port = ctx.Queue(), free_port()
     server = RendezvousServer(WORLD, "test-secret")
     procs = [ctx.Process(target=engine_worker,
-                         args=(r, port, server.address, str(path), eplb_interval, results))
+                         args=(r, port, server.address, str(path), eplb_interval, compile, results))
              for r in range(WORLD)]
     for p in procs:
         p.start()

@@ -64,14 +64,10 @@ class Engine:
             if not hasattr(model, "static_forward"):
                 raise ConfigError(f"compile={c.compile!r}: the {model.config.model_type} model has no fixed-shape "
                                   "forward yet; use compile='off'")
-            if gang is not None:
-                raise ConfigError(f"compile={c.compile!r} runs a single engine's decode on fixed shapes; a DP rank "
-                                  "exchanges tokens with its peers inside the forward, which cannot be captured "
-                                  "yet: use compile='off' in an instance")
             k = c.speculative_tokens
             self.runner.graphs = DecodeGraphs(model, self.cache.state, self.runner.dummy, c.compile,
                                               [b for b in c.graph_buckets if b <= c.max_num_seqs * (1 + k)],
-                                              self.cache.pages_for(c.max_model_len), 1 + k)
+                                              self.cache.pages_for(c.max_model_len), 1 + k, lockstep=gang is not None)
         if gang is not None:
             self.runner.lockstep = True
             self.balancer = ExpertBalancer(model.moe_layers, gang, c.eplb_interval, c.eplb_min_gain,

@@ -12,8 +12,12 @@ into the shape's own buffers, and the shape's forward runs:
   (`TORCHINDUCTOR_CACHE_DIR`), so a restart pays tracing only;
 - `compile="trace"`: dynamo traces the forward into one graph and runs it op by op without code
   generation: checks in seconds that the forward is capture-safe (tests, debugging).
-A shape that fails to compile or capture runs eager from then on, with a warning naming the cause;
-passes that are not decode (prefill chunks) and those larger than the largest bucket run eager.
+A DP rank of an expert-parallel gang (`lockstep`) exchanges tokens with its peers at every MoE
+layer, driven by the host (`RoutedMoE._expert_parallel`); its forward is compiled in pieces
+between the exchanges (`fullgraph=False`), on CUDA too: a CUDA graph cannot hold the exchange.
+A shape that fails to compile or capture runs eager from then on, with a warning naming the cause
+(in a gang, a compile failure fails the step); passes that are not decode (prefill chunks) and
+those larger than the largest bucket run eager.
 """
 
 from __future__ import annotations
@@ -56,15 +60,15 @@ class DecodeGraphs:
     """The compiled or captured decode forwards of one engine, one per `StaticShape`."""
 
     def __init__(self, model: ServingModel, state: PagedState, scratch: RequestState, mode: str,
-                 buckets: Sequence[int], max_pages: int, max_new_tokens: int):
+                 buckets: Sequence[int], max_pages: int, max_new_tokens: int, lockstep: bool = False):
         """mode: "on" or "trace" (`EngineConfig.compile`); buckets: token counts a pass is padded to;
         max_pages: the most pages a request can hold; max_new_tokens: the most tokens a request runs
-        in a decode pass (1 + speculative tokens)."""
-        self.model, self.state, self.scratch, self.mode = model, state, scratch, mode
+        in a decode pass (1 + speculative tokens); lockstep: a DP rank of an expert-parallel gang."""
+        self.model, self.state, self.scratch, self.mode, self.lockstep = model, state, scratch, mode, lockstep
         self.buckets, self.max_new_tokens = sorted(buckets), max_new_tokens
         self.page_buckets = [1 << i for i in range(max(1, max_pages - 1).bit_length())] + [max_pages]
         self.page_buckets = sorted({p for p in self.page_buckets if p <= max_pages})
-        self.cuda = model.device.type == "cuda"
+        self.cuda = model.device.type == "cuda" and not lockstep  # capture CUDA graphs
         self.shapes: dict[StaticShape, _Shape] = {}
         self.replays = 0  # passes run on a fixed shape
         self.failures = 0  # shapes that failed to compile or capture (they run eager)
@@ -102,8 +106,11 @@ class DecodeGraphs:
                 dst.copy_(src, non_blocking=True)
         self.replays += 1
         with torch.no_grad():
-            if entry.run is not None and first and not self.cuda:
-                try:  # torch.compile compiles at the first call, before it runs anything
+            # torch.compile compiles at the first call, before it runs anything, except a gang's
+            # pieces: those compile one by one as the forward reaches them, after exchanges the peers
+            # took part in, so a failure there cannot be retried eagerly and fails the step
+            if entry.run is not None and first and not self.cuda and not self.lockstep:
+                try:
                     return entry.run()
                 except Exception as e:  # noqa: BLE001 - a shape that cannot compile runs eager
                     self._failed(shape, e)
@@ -137,7 +144,7 @@ class DecodeGraphs:
                     "CUDA graph capture" if self.cuda else "torch.compile", type(e).__name__, e)
 
     def _compile(self, batch):
-        fn = torch.compile(self.model.static_forward, fullgraph=True, dynamic=False,
+        fn = torch.compile(self.model.static_forward, fullgraph=not self.lockstep, dynamic=False,
                            backend="eager" if self.mode == "trace" else "inductor")
         return lambda: fn(batch, self.state)
 

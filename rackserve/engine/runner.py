@@ -96,8 +96,8 @@ class Runner:
         requests = [(c.request.handle, ids) for c, ids in part]
         num_drafts = [len(c.draft_ids) for c, _ in part]
         shape = self.graphs.shape_for(requests) if self.graphs is not None else None
-        batch = self.model.build_batch(self.cache.state, requests, num_logits=[1 + n for n in num_drafts],
-                                       static=shape, scratch=self.dummy if shape else None)
+        padding = {"static": shape, "scratch": self.dummy} if shape else {}  # families without graphs take none
+        batch = self.model.build_batch(self.cache.state, requests, num_logits=[1 + n for n in num_drafts], **padding)
         lens = [len(ids) for _, ids in part]
         rows = shape.tokens if shape else sum(lens)  # token rows of the forward, padding included
         # without a drafter there are no drafts, and none of this bookkeeping is needed
@@ -156,7 +156,13 @@ class Runner:
         scratch request, which never advances: keeps an idle DP rank's MoE exchanges in step with
         its busy peers."""
         scratch = self._scratch()
-        self.model(self.model.build_batch(self.cache.state, [(scratch, [0])]), self.cache.state)
+        requests = [(scratch, [0])]
+        shape = self.graphs.shape_for(requests) if self.graphs is not None else None
+        if shape is None:
+            self.model(self.model.build_batch(self.cache.state, requests), self.cache.state)
+        else:
+            self.graphs.forward(shape, self.model.build_batch(self.cache.state, requests, static=shape,
+                                                                 scratch=scratch))
         if self.drafter is not None:
             self.drafter.dummy_forward(scratch)
 

@@ -102,7 +102,8 @@ class ServingModel(Protocol):
         """With `static`, every tensor of the batch has a shape that depends on `static` alone: the
         requests are padded with one-token requests on `scratch` (a request at 0 tokens that holds a
         page and never advances) to `static.tokens` token rows, and the logits rows to as many;
-        rows past the real ones are padding."""
+        rows past the real ones are padding. A family without `static_forward` need not take
+        `static` and `scratch` (the engine then refuses `compile`)."""
 
     def __call__(self, batch: Any, state: PagedState,
                  with_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...

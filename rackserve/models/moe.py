@@ -117,16 +117,16 @@ class RoutedMoE(nn.Module):
         self.register_buffer("slot_load", torch.zeros(len(phy2log), dtype=torch.int64, device=device),
                              persistent=False)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x `[T, D]`, input_ids `[T]` (hash routing reads them), positions `[T]` -> `[T, D]`."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                real: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[T, D]`, input_ids `[T]` (hash routing reads them), positions `[T]`, real `[T]` bool (False:
+        a padding row of a fixed-shape batch; None: all real) -> `[T, D]`."""
         ids, weights = self.route(x, input_ids)
         if self.ep is None:
             with phase("experts"):
                 routed = self.experts(x, ids, weights)
         else:
-            slots = choose_slots(ids, self.log2phy, self.replica_count, positions)
-            self.slot_load += torch.bincount(slots.flatten(), minlength=len(self.slot_load))  # for EPLB
-            routed = self._expert_parallel(x, slots, weights)
+            routed = self._expert_parallel(x, ids, weights, positions, real)
         shared = self.shared(x)
         return routed if shared is None else routed + shared
 
@@ -136,10 +136,26 @@ class RoutedMoE(nn.Module):
         `forward` on this layer."""
         anchor = self._anchor
         x = anchor.new_empty(0, self.experts.down_proj.shape[1])
-        slots = torch.empty(0, self.top_k, dtype=torch.long, device=x.device)
-        self._expert_parallel(x, slots, x.new_empty(0, self.top_k))
+        self._exchange(x, torch.empty(0, self.top_k, dtype=torch.long, device=x.device), x.new_empty(0, self.top_k))
 
-    def _expert_parallel(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    # the exchange is host-driven (row counts travel first), so a compiled forward runs it outside its
+    # graphs: it is where a DP rank's compiled forward breaks into pieces (`rackserve.engine.graphs`)
+    @torch.compiler.disable
+    def _expert_parallel(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
+                         real: torch.Tensor | None) -> torch.Tensor:
+        """x `[T, D]`, ids/weights `[T, k]` -> `[T, D]`: the physical slots, counted for EPLB, then the
+        exchange; padding rows (`real` False) neither travel nor count, and get zeros."""
+        keep = None if real is None or bool(real.all()) else real.nonzero().squeeze(1)
+        if keep is not None:
+            x, ids, weights, positions = x[keep], ids[keep], weights[keep], positions[keep]
+        slots = choose_slots(ids, self.log2phy, self.replica_count, positions)
+        self.slot_load += torch.bincount(slots.flatten(), minlength=len(self.slot_load))  # for EPLB
+        routed = self._exchange(x, slots, weights)
+        if keep is None:
+            return routed
+        return routed.new_zeros(len(real), routed.shape[1]).index_copy_(0, keep, routed)
+
+    def _exchange(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x `[T, D]`, slots/weights `[T, k]` -> `[T, D]`: dispatch, this rank's experts, combine."""
         with phase("dispatch/combine"):
             recv, handle = self.ep.dispatch(x, slots, weights)

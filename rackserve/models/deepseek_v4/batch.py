@@ -77,6 +77,7 @@ class ForwardBatch:
     swa: RingGather  # [T, W]: positions p-W+1 .. p of each token
     swa_write: RingWrite
     plans: dict[str, CompressPlan]  # by layer kind
+    real: torch.Tensor | None = None  # [T] bool: False for the padding rows of a static batch
 
     @classmethod
     def build(cls, state: ModelState, requests: Sequence[tuple[RequestState, Sequence[int]]],
@@ -145,9 +146,11 @@ class ForwardBatch:
             logits_rows = (offsets + lens - counts)[owner] + within
         else:
             logits_rows = offsets + lens - 1
+        real = None
         if static is not None:
             logits_rows = _pad(logits_rows, static.tokens, 0)
-        batch = cls(input_ids, positions, logits_rows, swa, geo.ring_write(w, trash), plans)
+            real = torch.arange(static.tokens) < static.tokens - pad
+        batch = cls(input_ids, positions, logits_rows, swa, geo.ring_write(w, trash), plans, real)
         return batch.to(device)
 
     def to(self, device: torch.device | str) -> "ForwardBatch":

@@ -35,5 +35,5 @@ class DecoderLayer(nn.Module):
             out = self.self_attn(self.input_layernorm(x), batch, state, rotary)
         streams = HyperConnection.merge(streams, out, post, comb)
         post, comb, x = self.ffn_hc.weights(streams)
-        out = self.mlp(self.post_attention_layernorm(x), batch.input_ids, batch.positions)
+        out = self.mlp(self.post_attention_layernorm(x), batch.input_ids, batch.positions, batch.real)
         return HyperConnection.merge(streams, out, post, comb)
