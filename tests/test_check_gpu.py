@@ -28,8 +28,10 @@ def test_small_runs_every_part_and_passes(tmp_path, capsys):
     # every Triton kernel at each size: the benchmark's 8 ops and the 7 companions, at T = 1 and 3
     assert parts["kernels"]["cases"] == 2 * 15 and parts["kernels"]["failed"] == 0
     assert parts["weights"]["cases"] == 2 * 3 and parts["nixl"]["mem"] == "DRAM"
-    assert parts["model"]["requests"] == 1 + 2 + 3 and parts["model"]["cuda_graphs"] == "not built"
-    assert set(parts["model"]["decode"]) == {"B1", "B2", "B3"}
+    m = parts["model"]
+    assert m["triton_vs_torch"]["requests"] == m["torch+traced_vs_torch"]["requests"] == 1 + 2 + 3
+    assert m["graphs"]["shapes"] > 0 and m["graphs"]["failed"] == 0  # the fixed-shape decode, traced on CPU
+    assert set(m["decode"]) == {"B1", "B2", "B3"} and "torch+traced_step_ms" in m["decode"]["B3"]
 
 
 def test_without_a_gpu_it_asks_for_one_or_small(tmp_path, monkeypatch, capsys):
@@ -76,7 +78,7 @@ def test_teacher_forcing_accepts_near_ties_and_rejects_wrong_tokens(tiny_checkpo
     gap = model.tie_gaps(engine, prompt[0], wrong)[3]
     assert gap > 0
     scenarios, outputs = [("s", prompt)], {"s": {"torch": [want], "triton": [wrong]}}
-    figures, failures = model._agreement(engine, scenarios, outputs, tol=gap / 2)
+    figures, failures = model._agreement(engine, scenarios, outputs, "torch", "triton", tol=gap / 2)
     assert figures["identical"] == 0 and figures["max_tie_gap"] == pytest.approx(gap, abs=1e-4)
-    assert len(failures) == 1 and "s, request 0: Triton's token 3" in failures[0]
-    assert model._agreement(engine, scenarios, outputs, tol=2 * gap)[1] == []  # a near-tie at that tolerance
+    assert len(failures) == 1 and "s, request 0: triton's token 3" in failures[0]
+    assert model._agreement(engine, scenarios, outputs, "torch", "triton", tol=2 * gap)[1] == []  # a near-tie

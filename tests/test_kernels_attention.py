@@ -194,6 +194,26 @@ def test_indexer_on_packed_keys(t, e, k, kind, block, dtype):
     assert_ranked_like(*indexer_topk_triton(q, keys, rows, visible, head_w, k), ref, 1e-5)
 
 
+@pytest.mark.parametrize("kind,block", [("fp8", 16), ("fp4", 8)])
+def test_indexer_topk_on_packed_keys_breaks_zero_ties_by_lowest_position(kind, block):
+    """Packed keys take the top-k from stored scores (the fused kernel's tile would not fit a GPU's
+    shared memory): the same tie rule. Zero keys decode to exact zeros, so their scores tie at 0."""
+    g = torch.Generator().manual_seed(3)
+    t, e, k, h, d = 4, 200, 160, 3, 32
+    keys = torch.randn(60, d, generator=g)
+    keys[::3] = 0
+    q, rows = torch.randn(t, h, d, generator=g), torch.randint(0, 60, (t, e), generator=g)
+    visible, head_w = torch.rand(t, e, generator=g) < 0.9, torch.randn(t, h, generator=g).abs()
+    args = (q.to(DEVICE), packed(keys.to(DEVICE), kind, block), rows.to(DEVICE), visible.to(DEVICE), head_w.to(DEVICE))
+    order, valid = indexer_topk_triton(*args, k)
+    scores = indexer_scores_torch(*args)
+    picked = scores.gather(1, order)
+    assert valid.all() and (picked == 0).any()  # k reaches into the tied zeros
+    for i in range(t):  # the tied picks are the lowest positions scoring 0, in ascending order
+        tied = order[i][picked[i] == 0]
+        assert torch.equal(tied, (scores[i] == 0).nonzero().squeeze(1)[:len(tied)])
+
+
 def assert_ranked_like(order: torch.Tensor, valid: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     """A top-k (order, valid `[T, K]`) ranks like the reference scores `ref` `[T, E]` up to near-ties:
     as many valid picks as the reference has visible candidates (up to K), distinct and visible, the

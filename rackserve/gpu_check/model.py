@@ -1,5 +1,6 @@
 """Part 4 of `rackserve check-gpu`: a V4-Flash-shaped model of 4 layers through the engine, the torch
-references against every Triton kernel forced on (`RACKSERVE_KERNELS`).
+references against every Triton kernel forced on (`RACKSERVE_KERNELS`), and the decode on fixed shapes
+(`EngineConfig.compile`: CUDA graphs on a GPU, traced on the CPU's `--small` run) against the eager one.
 
 The model: V4-Flash's per-layer sizes, layers HCA, CSA, HCA, CSA (both compressed attentions, twice),
 hash then learned routing, no MTP layer, random weights written by `make_tiny` as DeepSeek publishes
@@ -12,10 +13,10 @@ DeepSeek's 128 × 128).
 The workload, greedy, EOS ignored: one 8192-token prompt (one prefill step) decoding at batch 1, then
 64 and 256 requests of 64-token prompts decoding together, each request making 8 tokens; prefill
 tokens/s and the median decode step, per backend. Tokens must agree: identical, or where a request
-parts from the torch run, a near-tie: teacher forcing its tokens through the torch path ranks each
-within `TIE_TOLERANCE` of the best logit (bf16 kernels sum in other orders, so a greedy choice
-between two logits that close may go either way; a wrong kernel puts its token far below).
-CUDA graphs are not built yet: the engine runs eagerly, and the row says so.
+parts from the run it is compared with (Triton with torch; graphs with the same kernels eager), a
+near-tie: teacher forcing its tokens through the torch path ranks each within `TIE_TOLERANCE` of the
+best logit (bf16 kernels sum in other orders, so a greedy choice between two logits that close may go
+either way; a wrong kernel puts its token far below).
 """
 
 from __future__ import annotations
@@ -150,7 +151,13 @@ def check_model(setup: Setup, experts: int) -> tuple[dict, list[str]]:
     from rackserve.models.deepseek_v4.tiny import make_tiny
 
     w = WORKLOADS[setup.small]
-    figures: dict = {"layers": LAYERS, "cuda_graphs": "not built"}
+    figures: dict = {"layers": LAYERS}
+    failures: list[str] = []
+    # fixed-shape decode: CUDA graphs of the Triton kernels on a GPU; traced (no code generation) on the
+    # CPU's --small run, with the torch references, as the interpreter's kernels are not traced
+    graphs = "on" if setup.device == "cuda" else "trace"
+    runs = [("torch", "torch", "off"), ("triton", "triton", "off"),
+            ("triton+graphs", "triton", "on") if graphs == "on" else ("torch+traced", "torch", "trace")]
     if not setup.small:
         line, host_gib, gpu_gib = feasibility(experts)
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -170,49 +177,60 @@ def check_model(setup: Setup, experts: int) -> tuple[dict, list[str]]:
         pages = max(-(-(w.prefill + w.new_tokens) // state.block_size),
                     most * -(-(w.prompt + w.new_tokens) // state.block_size))
         t0 = time.perf_counter()
-        llm = LLM(tmp, device=setup.device, dtype=dtype_name, max_num_seqs=most,
-                  max_num_batched_tokens=w.prefill + most, max_model_len=w.prefill + w.new_tokens,
-                  prefix_caching=False, state_memory_mb=1.25 * (most * state.slot + pages * state.page) / 2**20)
+        engines = {mode: LLM(tmp, device=setup.device, dtype=dtype_name, max_num_seqs=most,
+                             max_num_batched_tokens=w.prefill + most, max_model_len=w.prefill + w.new_tokens,
+                             prefix_caching=False, compile=mode,
+                             state_memory_mb=1.25 * (most * state.slot + pages * state.page) / 2**20).engine
+                   for mode in ("off", graphs)}
         figures["load_s"] = round(time.perf_counter() - t0, 1)
-    engine = llm.engine
     vocab = config.vocab_size
     scenarios = [(f"{w.prefill}-token prefill, then B=1", prompts(vocab, 1, w.prefill, seed=1))]
     scenarios += [(f"B={b}: {w.prompt}-token prompts", prompts(vocab, b, w.prompt, seed=b)) for b in w.batches if b > 1]
-    print(f"workload: greedy, {w.new_tokens} tokens a request; backends: torch references, then every Triton kernel")
-    print(f"{'scenario':<30} {'backend':<7} {'prefill tok/s':>14} {'decode step ms':>15} {'decode tok/s':>13} "
+    print(f"workload: greedy, {w.new_tokens} tokens a request; runs: torch references, every Triton kernel, "
+          f"then {runs[-1][0]}")
+    print(f"{'scenario':<30} {'run':<14} {'prefill tok/s':>14} {'decode step ms':>15} {'decode tok/s':>13} "
           f"{'first run s':>11}")
     outputs: dict[str, dict[str, list[list[int]]]] = {}
     prefill_tok_s, decode = {}, {}
-    for backend in ("torch", "triton"):
+    for run, backend, mode in runs:
         with kernels(backend):
             for label, batch in scenarios:
                 t0 = time.perf_counter()
-                out, prefill_s, steps = generate(engine, batch, w.new_tokens)
-                outputs.setdefault(label, {})[backend] = out
+                out, prefill_s, steps = generate(engines[mode], batch, w.new_tokens)
+                outputs.setdefault(label, {})[run] = out
                 step_s = statistics.median(steps)
                 tok_s = sum(map(len, batch)) / prefill_s
                 size = f"B{len(batch)}"
-                decode.setdefault(size, {})[f"{backend}_step_ms"] = round(step_s * 1e3, 2)
-                decode[size][f"{backend}_tok_s"] = round(len(batch) / step_s, 1)
+                decode.setdefault(size, {})[f"{run}_step_ms"] = round(step_s * 1e3, 2)
+                decode[size][f"{run}_tok_s"] = round(len(batch) / step_s, 1)
                 if len(batch) == 1:
-                    prefill_tok_s[backend] = round(tok_s)
-                print(f"{label:<30} {backend:<7} {tok_s:>14.0f} {step_s * 1e3:>15.2f} {len(batch) / step_s:>13.1f} "
+                    prefill_tok_s[run] = round(tok_s)
+                print(f"{label:<30} {run:<14} {tok_s:>14.0f} {step_s * 1e3:>15.2f} {len(batch) / step_s:>13.1f} "
                       f"{time.perf_counter() - t0:>11.1f}", flush=True)
-    print(f"{'CUDA graphs vs eager':<30} {'-':<7} {'not built: the engine runs eagerly':>55}")
     if setup.small:
         print("(tokens/s on CPU under the Triton interpreter mean nothing)")
-    agreement, failures = _agreement(engine, scenarios, outputs, TIE_TOLERANCE[setup.dtype])
-    figures.update(prefill_tokens=w.prefill, prefill_tok_s=prefill_tok_s, decode=decode, **agreement)
+    figures.update(prefill_tokens=w.prefill, prefill_tok_s=prefill_tok_s, decode=decode)
+    eager, graphed = runs[-1][1], runs[-1][0]
+    graph_stats = engines[graphs].runner.graphs
+    figures["graphs"] = {"shapes": len(graph_stats.shapes), "failed": graph_stats.failures}
+    if graph_stats.failures:
+        failures.append(f"{graph_stats.failures} of {len(graph_stats.shapes)} decode shapes failed to "
+                        f"{'capture' if setup.device == 'cuda' else 'compile'} and ran eager (see the warnings)")
+    for want, got in (("torch", "triton"), (eager, graphed)):
+        agreement, more = _agreement(engines["off"], scenarios, outputs, want, got, TIE_TOLERANCE[setup.dtype])
+        figures[f"{got}_vs_{want}"] = agreement
+        failures += more
     return figures, failures
 
 
-def _agreement(engine, scenarios, outputs, tol: float) -> tuple[dict, list[str]]:
-    """Triton's tokens against torch's: (counts and the largest teacher-forced gap of a differing request's
-    tokens, a failure for each request with a token further than `tol` below the judge's best)."""
+def _agreement(engine, scenarios, outputs, reference: str, run: str, tol: float) -> tuple[dict, list[str]]:
+    """The tokens of `run` against those of `reference`: (counts and the largest teacher-forced gap of a
+    differing request's tokens, a failure for each request with a token further than `tol` below the
+    judge's best)."""
     requests = identical = 0
     worst, failures = 0.0, []
     for label, batch in scenarios:
-        for i, (ids, want, got) in enumerate(zip(batch, outputs[label]["torch"], outputs[label]["triton"],
+        for i, (ids, want, got) in enumerate(zip(batch, outputs[label][reference], outputs[label][run],
                                                  strict=True)):
             requests += 1
             if got == want:
@@ -223,9 +241,9 @@ def _agreement(engine, scenarios, outputs, tol: float) -> tuple[dict, list[str]]
             far = [(j, g) for j, g in enumerate(gaps) if g > tol]
             if far:
                 j, gap = far[0]
-                failures.append(f"{label}, request {i}: Triton's token {j} ({got[j]}) is {gap:.3f} below the torch "
-                                f"path's best logit (tolerance {tol}); torch {want}, triton {got}")
-    print(f"tokens: {identical} of {requests} requests identical" + (
+                failures.append(f"{label}, request {i}: {run}'s token {j} ({got[j]}) is {gap:.3f} below the torch "
+                                f"path's best logit (tolerance {tol}); {reference} {want}, {run} {got}")
+    print(f"tokens, {run} vs {reference}: {identical} of {requests} requests identical" + (
         f"; the others' tokens, teacher-forced through the torch path, lie at most {worst:.3g} below its best logit "
         f"(tolerance {tol})" if identical < requests else ""))
     return {"requests": requests, "identical": identical, "max_tie_gap": round(worst, 4)}, failures

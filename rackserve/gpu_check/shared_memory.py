@@ -23,10 +23,12 @@ is at least the compiled size; for attention, the indexer and (on sm_100) the ex
 1.5 KiB of it. sm_90 pipelines the GEMMs' gathered tiles less, and the kernels without `tl.dot`
 reduce mostly in registers: there the estimate is an upper bound.
 
-Found so far: the indexer's top-k reading packed keys (`state_dtype` "fp8" or "fp8-fp4") tiles
-min(index_topk, candidates) rounded up to a power of two, 512 candidates at V4-Flash's index_topk once
-a CSA query sees more than 256 entries (past 1K tokens of context), and then needs 413,696 bytes
-(compiled for sm_90), more than either architecture gives a block; with plain keys it needs 147,456.
+Found by it: the indexer's fused top-k tiles min(index_topk, candidates) rounded up to a power of
+two, 512 candidates at V4-Flash's index_topk once a CSA query sees more than 256 entries (past 1K
+tokens of context); reading packed keys (`state_dtype` "fp8" or "fp8-fp4") it needed 413,696 bytes
+(compiled for sm_90), more than either architecture gives a block, so packed keys are now scored
+apart and their top-k taken from the stored scores (`rackserve.kernels.indexer`); with plain keys
+the fused kernel needs 147,456.
 """
 
 from __future__ import annotations
@@ -219,6 +221,7 @@ ESTIMATES: dict[str, Callable[[Launch], int]] = {
     "_combine_kernel": _reduction(lambda a: a["BLOCK_H"]),
     "_indexer_topk_kernel": _indexer,
     "_indexer_scores_kernel": _indexer,
+    "_top_of_scores_kernel": _reduction(lambda a: 4 * a["BLOCK_K"]),  # the sort of 2·BLOCK_K int64 keys
     "_gate_up_swiglu_kernel": lambda launch: _weight_gemm(launch, 2),  # gate and up tiles
     "_down_kernel": lambda launch: _weight_gemm(launch, 1),
     "_linear_kernel": lambda launch: _weight_gemm(launch, 1),

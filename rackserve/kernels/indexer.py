@@ -93,34 +93,59 @@ def _indexer_scores_kernel(
 
 
 @triton.jit
-def _indexer_topk_kernel(
-        q_ptr, keys_ptr, words_ptr, rows_ptr, visible_ptr, w_ptr, order_ptr, valid_ptr, H, D, E, R, K, sm_scale,
-        q_st, q_sh, q_sd, k_r, k_c, scale_col, block, r_st, r_se, v_st, v_se, w_st, w_sh,
-        KEY_BITS: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_BF16: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program per query: scores BLOCK_K candidates at a time and keeps a running top-BLOCK_K.
+def _merge_top(best, score, offs_e, mask_e, BLOCK_K: tl.constexpr):
+    """The running top-BLOCK_K `best` (int64 keys) merged with a block of BLOCK_K candidates.
 
     Each candidate becomes one int64 key, (order-preserving bits of its score) << 32 | (2³¹−1 − e),
     so a descending top-k is by score, then lowest index: the same order as a stable sort.
     """
-    t = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    q, w = _load_query(q_ptr, w_ptr, t, H, D, sm_scale, q_st, q_sh, q_sd, w_st, w_sh, DOT_DTYPE, BLOCK_H, BLOCK_D)
     lowest = -9223372036854775807 - 1
-    best = tl.full([BLOCK_K], lowest, tl.int64)
-    for e0 in range(0, E, BLOCK_K):
-        offs_e, mask_e, score = _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, words_ptr, E, R, r_st, r_se,
-                                             v_st, v_se, k_r, k_c, scale_col, block, offs_d, offs_d < D, KEY_BITS,
-                                             KEY_DTYPE, KEY_BF16, DOT_DTYPE, BLOCK_K)
-        bits = (score + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into 0.0: they tie
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        key = tl.where(mask_e, (ordered << 32) | (0x7FFFFFFF - offs_e).to(tl.int64), lowest)
-        best = tl.topk(tl.join(best, key).reshape([2 * BLOCK_K]), BLOCK_K)
+    bits = (score + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into 0.0: they tie
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    key = tl.where(mask_e, (ordered << 32) | (0x7FFFFFFF - offs_e).to(tl.int64), lowest)
+    return tl.topk(tl.join(best, key).reshape([2 * BLOCK_K]), BLOCK_K)
+
+
+@triton.jit
+def _store_top(best, order_ptr, valid_ptr, t, K, BLOCK_K: tl.constexpr):
+    """The k best of query t from the merged keys: positions (best first) and whether each is visible."""
     ranks = tl.arange(0, BLOCK_K)
     bits = (best >> 32).to(tl.int32)
     valid = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True) > float("-inf")
     tl.store(order_ptr + t * K + ranks, 0x7FFFFFFF - (best & 0xFFFFFFFF), mask=ranks < K)
     tl.store(valid_ptr + t * K + ranks, valid.to(tl.int8), mask=ranks < K)
+
+
+@triton.jit
+def _indexer_topk_kernel(
+        q_ptr, keys_ptr, words_ptr, rows_ptr, visible_ptr, w_ptr, order_ptr, valid_ptr, H, D, E, R, K, sm_scale,
+        q_st, q_sh, q_sd, k_r, k_c, scale_col, block, r_st, r_se, v_st, v_se, w_st, w_sh,
+        KEY_BITS: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_BF16: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per query: scores BLOCK_K candidates at a time and keeps a running top-BLOCK_K."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    q, w = _load_query(q_ptr, w_ptr, t, H, D, sm_scale, q_st, q_sh, q_sd, w_st, w_sh, DOT_DTYPE, BLOCK_H, BLOCK_D)
+    best = tl.full([BLOCK_K], -9223372036854775807 - 1, tl.int64)
+    for e0 in range(0, E, BLOCK_K):
+        offs_e, mask_e, score = _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, words_ptr, E, R, r_st, r_se,
+                                             v_st, v_se, k_r, k_c, scale_col, block, offs_d, offs_d < D, KEY_BITS,
+                                             KEY_DTYPE, KEY_BF16, DOT_DTYPE, BLOCK_K)
+        best = _merge_top(best, score, offs_e, mask_e, BLOCK_K)
+    _store_top(best, order_ptr, valid_ptr, t, K, BLOCK_K)
+
+
+@triton.jit
+def _top_of_scores_kernel(scores_ptr, order_ptr, valid_ptr, E, K, s_st, s_se, BLOCK_K: tl.constexpr):
+    """One program per query: the running top-BLOCK_K of its stored scores `[E]`, BLOCK_K at a time."""
+    t = tl.program_id(0).to(tl.int64)
+    best = tl.full([BLOCK_K], -9223372036854775807 - 1, tl.int64)
+    for e0 in range(0, E, BLOCK_K):
+        offs_e = e0 + tl.arange(0, BLOCK_K)
+        mask_e = offs_e < E
+        score = tl.load(scores_ptr + t * s_st + offs_e * s_se, mask=mask_e, other=float("-inf"))
+        best = _merge_top(best, score, offs_e, mask_e, BLOCK_K)
+    _store_top(best, order_ptr, valid_ptr, t, K, BLOCK_K)
 
 
 def _key_args(q: torch.Tensor, keys: torch.Tensor | PackedRows) -> tuple[tuple, dict]:
@@ -170,7 +195,13 @@ def indexer_topk_triton(q: torch.Tensor, keys: torch.Tensor | PackedRows, rows: 
                         head_w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `indexer_topk_torch`: scores fused with a running top-k, one program per
     query, so the `[T, E]` scores never reach memory (E grows with the context: 25K entries at
-    100K tokens)."""
+    100K tokens).
+
+    Packed keys (FP8/FP4 state) are scored by `indexer_scores_triton` first and the top-k then taken
+    from the stored scores (`_top_of_scores_kernel`): decoding a 512-candidate tile of packed keys to
+    fp32 beside the fused top-k needs 413,696 B of shared memory on sm_90, more than a block gets
+    (227 KiB); apart, the two need ~41 KB and ~16 KB, for one `[T, E]` fp32 write and read.
+    """
     t, h, d = q.shape
     e = rows.shape[1]
     k = min(k, e)
@@ -178,13 +209,18 @@ def indexer_topk_triton(q: torch.Tensor, keys: torch.Tensor | PackedRows, rows: 
     valid = torch.empty(t, k, dtype=torch.bool, device=q.device)
     if t == 0 or k == 0:
         return order, valid
+    block_k = max(16, triton.next_power_of_2(k))
+    if isinstance(keys, PackedRows):
+        scores = indexer_scores_triton(q, keys, rows, visible, head_w)
+        _top_of_scores_kernel[(t,)](scores, order, valid.view(torch.int8), e, k, *scores.stride(), BLOCK_K=block_k)
+        return order, valid
     visible = visible.view(torch.uint8)
     (data, words, k_r, k_c, scale_col, block), consts = _key_args(q, keys)
     _indexer_topk_kernel[(t,)](
         q, data, words, rows, visible, head_w, order, valid.view(torch.int8), h, d, e, keys.shape[0], k, d**-0.5,
         *q.stride(), k_r, k_c, scale_col, block, *rows.stride(), *visible.stride(), *head_w.stride(),
-        **consts, BLOCK_H=max(16, triton.next_power_of_2(h)),
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_K=max(16, triton.next_power_of_2(k)))
+        **consts, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_K=block_k)
     return order, valid
 
 
