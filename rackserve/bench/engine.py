@@ -30,6 +30,7 @@ from rackserve.engine import LLM, SamplingParams
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
 
 STEP_PROMPT, STEP_TOKENS = 64, 16  # decode-step table: prompt length, decode steps timed
+STEP_SLACK = 64  # tokens a step-table request may make beyond the timed steps (it is aborted after them)
 
 
 class _Timed:
@@ -75,22 +76,23 @@ class _Engine:
         return time.perf_counter() - t0
 
     def decode_steps(self, prompts: list[list[int]], steps: int) -> tuple[float, float]:
-        """(median step seconds, median host seconds of a step) over `steps` pure decode steps."""
-        params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-        for row in prompts:
-            self.engine.add_request(row, params)
+        """(median step seconds, median host seconds of a step) over `steps` decode steps of all `prompts`."""
+        # room for the steps after the prefill of the first ones: every timed step decodes them all
+        params = SamplingParams(max_tokens=steps + STEP_SLACK, temperature=0.0, ignore_eos=True)
+        requests = [self.engine.add_request(row, params) for row in prompts]
         sched = self.engine.scheduler
         while sched.waiting or any(len(r.token_ids) - r.num_computed > 1 for r in sched.running):
             self.engine.step()  # prefill
         step_s, host_s = [], []
         for _ in range(steps):
+            assert len(sched.running) == len(prompts)
             f0, t0 = self.forward_s, time.perf_counter()
             self.engine.step()
             step = time.perf_counter() - t0
             step_s.append(step)
             host_s.append(step - (self.forward_s - f0))
-        while self.engine.has_unfinished():
-            self.engine.step()
+        for req in requests:
+            self.engine.abort(req.request_id)
         return statistics.median(step_s), statistics.median(host_s)
 
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = ref.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, vocab, (args.requests, args.isl), generator=g)
-    max_len = max(args.isl + args.osl, STEP_PROMPT + STEP_TOKENS + 2) + 1
+    max_len = max(args.isl + args.osl, STEP_PROMPT + STEP_TOKENS + STEP_SLACK) + 1
     compiled = f"compiled ({args.compile})"
 
     def engines(batch: int) -> list[_Engine]:

@@ -43,7 +43,9 @@ class Engine:
         self.model, self.tokenizer, self.gang = model, tokenizer, gang
         self.config = (config or EngineConfig()).resolve(model.config)
         c = self.config
-        self.cache = StateCache(model.config, c.block_size, c.max_num_seqs, int(c.state_memory_mb * 2**20),
+        # a gang's dummy forwards and fixed-shape padding run on a scratch request: one slot beyond max_num_seqs
+        scratch = gang is not None or c.compile != "off"
+        self.cache = StateCache(model.config, c.block_size, c.max_num_seqs + scratch, int(c.state_memory_mb * 2**20),
                                 prefix_caching=c.prefix_caching, max_snapshots=c.prefix_snapshots,
                                 dtype=model.dtype, device=model.device,
                                 draft_layers=int(c.speculative_tokens > 0), state_dtype=c.state_dtype)
@@ -57,7 +59,7 @@ class Engine:
         self.speculator = Speculator(model, self.cache, c.speculative_tokens) if c.speculative_tokens else None
         self.runner = Runner(model, self.cache, self.speculator)
         self.balancer = None
-        if gang is not None or c.compile != "off":
+        if scratch:
             self.runner.dummy = self.cache.allocate()
             self.cache.reserve(self.runner.dummy, 1)
         if c.compile != "off":
@@ -68,6 +70,8 @@ class Engine:
             self.runner.graphs = DecodeGraphs(model, self.cache.state, self.runner.dummy, c.compile,
                                               [b for b in c.graph_buckets if b <= c.max_num_seqs * (1 + k)],
                                               self.cache.pages_for(c.max_model_len), 1 + k, lockstep=gang is not None)
+            if self.speculator is not None:  # the draft layer's forwards run on the same shapes
+                self.speculator.drafter.graphs = self.runner.graphs
         if gang is not None:
             self.runner.lockstep = True
             self.balancer = ExpertBalancer(model.moe_layers, gang, c.eplb_interval, c.eplb_min_gain,

@@ -23,7 +23,7 @@ those larger than the largest bucket run eager.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields, is_dataclass
 
 import torch
@@ -48,16 +48,17 @@ def _leaves(x) -> list[torch.Tensor]:
 
 
 class _Shape:
-    """One shape's buffers (a batch whose tensors are overwritten each step) and its runnable."""
+    """One shape's buffers (inputs whose tensors are overwritten each call) and its runnable."""
 
-    def __init__(self, batch):
-        self.batch = batch
-        self.buffers = _leaves(batch)
-        self.run = None  # () -> (logits, streams); None: eager (compiling or capturing failed)
+    def __init__(self, inputs: tuple):
+        self.inputs = inputs
+        self.buffers = _leaves(inputs)
+        self.run = None  # () -> outputs; None: eager (compiling or capturing failed)
 
 
 class DecodeGraphs:
-    """The compiled or captured decode forwards of one engine, one per `StaticShape`."""
+    """The compiled or captured decode forwards of one engine: per function of the model that runs on
+    fixed shapes (`static_forward`, and the draft layer's) and per `StaticShape`."""
 
     def __init__(self, model: ServingModel, state: PagedState, scratch: RequestState, mode: str,
                  buckets: Sequence[int], max_pages: int, max_new_tokens: int, lockstep: bool = False):
@@ -69,15 +70,15 @@ class DecodeGraphs:
         self.page_buckets = [1 << i for i in range(max(1, max_pages - 1).bit_length())] + [max_pages]
         self.page_buckets = sorted({p for p in self.page_buckets if p <= max_pages})
         self.cuda = model.device.type == "cuda" and not lockstep  # capture CUDA graphs
-        self.shapes: dict[StaticShape, _Shape] = {}
-        self.replays = 0  # passes run on a fixed shape
+        self.shapes: dict[tuple[str, StaticShape], _Shape] = {}  # by (function, shape)
+        self.replays = 0  # calls run on a fixed shape
         self.failures = 0  # shapes that failed to compile or capture (they run eager)
         if not self.cuda:
-            # every shape is its own specialisation of the one forward: let dynamo keep them all
+            # every shape is its own specialisation of a function: let dynamo keep them all
             limit = len(self.buckets) * len(self.page_buckets) + 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
             torch._dynamo.config.accumulated_recompile_limit = max(
-                torch._dynamo.config.accumulated_recompile_limit, limit)
+                torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
         self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
 
     def shape_for(self, requests: Sequence[BatchRequest]) -> StaticShape | None:
@@ -94,15 +95,21 @@ class DecodeGraphs:
         return StaticShape(bucket, page_bucket)
 
     def forward(self, shape: StaticShape, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `batch` (built with `static=shape`) -> (logits `[shape.tokens, vocab]`, streams
-        `[shape.tokens, …]`); rows past the real ones are padding. The outputs of a captured graph
-        are its own buffers: read them before the next call."""
-        entry = self.shapes.get(shape)
+        """The model's forward of `batch` (built with `static=shape`) -> (logits `[shape.tokens, vocab]`,
+        streams `[shape.tokens, …]`); rows past the real ones are padding."""
+        return self.run(self.model.static_forward, shape, batch)
+
+    def run(self, fn: Callable, shape: StaticShape, *inputs):
+        """`fn(*inputs, state)` on fixed shapes: `fn` is one of the model's capture-safe functions, its
+        batch among `inputs` built with `static=shape` and its other tensors padded to `shape.tokens`
+        rows. The outputs of a captured graph are its own buffers: read them before the next call."""
+        key = (fn.__name__, shape)
+        entry = self.shapes.get(key)
         first = entry is None
         if first:
-            entry = self.shapes[shape] = self._prepare(shape, batch)
+            entry = self.shapes[key] = self._prepare(key, fn, inputs)
         else:
-            for dst, src in zip(entry.buffers, _leaves(batch), strict=True):
+            for dst, src in zip(entry.buffers, _leaves(inputs), strict=True):
                 dst.copy_(src, non_blocking=True)
         self.replays += 1
         with torch.no_grad():
@@ -113,51 +120,53 @@ class DecodeGraphs:
                 try:
                     return entry.run()
                 except Exception as e:  # noqa: BLE001 - a shape that cannot compile runs eager
-                    self._failed(shape, e)
+                    self._failed(key, e)
                     entry.run = None
             if entry.run is None:
-                return self.model.static_forward(entry.batch, self.state)
+                return fn(*entry.inputs, self.state)
             return entry.run()
 
-    def _prepare(self, shape: StaticShape, batch) -> _Shape:
-        """A new shape's buffers (holding `batch`) and its compiled or captured forward."""
+    def _prepare(self, key: tuple[str, StaticShape], fn: Callable, inputs: tuple) -> _Shape:
+        """A new shape's buffers (holding `inputs`) and its compiled or captured function."""
         try:
             with torch.no_grad():
                 if self.cuda:
-                    # captured on a batch of padding only: the warm-up run writes only the scratch
-                    # request's rows (a verify pass run twice would overwrite window rows it reads)
-                    entry = _Shape(self.model.build_batch(self.state, [], static=shape, scratch=self.scratch))
-                    entry.run = self._capture(entry.batch)
-                    for dst, src in zip(entry.buffers, _leaves(batch), strict=True):
+                    # captured on padding only: the warm-up run writes only the scratch request's rows
+                    # (a verify pass run twice would overwrite window rows it reads)
+                    idle = self.model.build_batch(self.state, [], static=key[1], scratch=self.scratch)
+                    entry = _Shape(tuple(x.new_zeros(x.shape) if isinstance(x, torch.Tensor) else idle
+                                         for x in inputs))
+                    entry.run = self._capture(fn, entry.inputs)
+                    for dst, src in zip(entry.buffers, _leaves(inputs), strict=True):
                         dst.copy_(src)
                 else:
-                    entry = _Shape(batch)
-                    entry.run = self._compile(entry.batch)
+                    entry = _Shape(inputs)
+                    entry.run = self._compile(fn, entry.inputs)
             return entry
         except Exception as e:  # noqa: BLE001 - any failure leaves this shape eager, never the engine down
-            self._failed(shape, e)
-            return _Shape(batch)
+            self._failed(key, e)
+            return _Shape(inputs)
 
-    def _failed(self, shape: StaticShape, e: Exception) -> None:
+    def _failed(self, key: tuple[str, StaticShape], e: Exception) -> None:
         self.failures += 1
-        log.warning("decode shape %s runs eager: %s failed (%s: %s)", shape,
+        log.warning("%s on %s runs eager: %s failed (%s: %s)", *key,
                     "CUDA graph capture" if self.cuda else "torch.compile", type(e).__name__, e)
 
-    def _compile(self, batch):
-        fn = torch.compile(self.model.static_forward, fullgraph=not self.lockstep, dynamic=False,
-                           backend="eager" if self.mode == "trace" else "inductor")
-        return lambda: fn(batch, self.state)
+    def _compile(self, fn: Callable, inputs: tuple):
+        compiled = torch.compile(fn, fullgraph=not self.lockstep, dynamic=False,
+                                 backend="eager" if self.mode == "trace" else "inductor")
+        return lambda: compiled(*inputs, self.state)
 
-    def _capture(self, batch):
+    def _capture(self, fn: Callable, inputs: tuple):
         # warm-up outside the capture: Triton compiles its kernels here
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.model.static_forward(batch, self.state)
+            fn(*inputs, self.state)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.model.static_forward(batch, self.state)
+            out = fn(*inputs, self.state)
 
         def run():
             graph.replay()

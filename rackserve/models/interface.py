@@ -125,7 +125,12 @@ class ServingModel(Protocol):
 
 
 class Drafter(Protocol):
-    """A draft model whose state follows the main model's (see `rackserve.engine.speculative`)."""
+    """A draft model whose state follows the main model's (see `rackserve.engine.speculative`).
+
+    `graphs`: None, or the engine's fixed-shape runner (`rackserve.engine.graphs.DecodeGraphs`: `shape_for`,
+    `run`, `scratch`) when `EngineConfig.compile` is on; the drafter then runs its forwards through it."""
+
+    graphs: Any
 
     def follow(self, requests: Sequence[BatchRequest], streams: torch.Tensor,
                speculative: torch.Tensor) -> Rollback | None:

@@ -33,27 +33,51 @@ from rackserve.models.state import RequestState
 class _Shifted:
     """An MTP forward's rollback, addressed by the main forward's token rows."""
 
-    def __init__(self, rollback: Rollback, rows: torch.Tensor):
-        self.rollback, self.rows = rollback, rows
+    def __init__(self, rollback: Rollback, rows: torch.Tensor, padding: int):
+        self.rollback, self.rows, self.padding = rollback, rows, padding
 
     def undo(self, rejected: torch.Tensor) -> None:
-        self.rollback.undo(rejected[self.rows])
+        self.rollback.undo(_pad_rows(rejected[self.rows], self.padding))
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x `[M, …]` with `n` rows of zeros (False) after it."""
+    return torch.cat([x, x.new_zeros(n, *x.shape[1:])]) if n else x
 
 
 class MTPDrafter:
-    """Drafts with `model`'s first MTP layer, whose state is the last layer of `state`."""
+    """Drafts with `model`'s first MTP layer, whose state is the last layer of `state`. With `graphs` (the
+    engine's fixed-shape runner, `rackserve.engine.graphs.DecodeGraphs`) its forwards run on fixed shapes
+    like the main model's decode, the drafts staying on the device until the last one."""
 
     def __init__(self, model, state: ModelState):
         self.model, self.state = model, state
         self.layer = model.config.num_hidden_layers  # the MTP layer's index in the state
+        self.graphs = None
+
+    def _batch(self, requests: Sequence[tuple[RequestState, Sequence[int]]]) -> tuple[ForwardBatch, object]:
+        """The MTP layer's batch over `requests`, on a fixed shape when the graphs have one: (batch, shape)."""
+        shape = self.graphs.shape_for(requests) if self.graphs is not None else None
+        if shape is None:
+            return ForwardBatch.build(self.state, requests, kinds=(SLIDING,)), None
+        return ForwardBatch.build(self.state, requests, kinds=(SLIDING,), static=shape,
+                                  scratch=self.graphs.scratch), shape
+
+    def _run(self, fn, shape, hidden: torch.Tensor, batch: ForwardBatch):
+        """`fn` (the model's `static_follow` or `static_draft`) over `batch`, `hidden` padded to its rows."""
+        if shape is None:
+            return fn(hidden, batch, self.state)
+        hidden = _pad_rows(hidden, len(batch.input_ids) - len(hidden))
+        return self.graphs.run(fn, shape, hidden, batch)
 
     def follow(self, requests: Sequence[tuple[RequestState, Sequence[int]]], streams: torch.Tensor,
                speculative: torch.Tensor) -> _Shifted | None:
         """Run the MTP layer over the tokens the main model just ran (`requests` as the main batch had
         them, before advancing), each paired with the main streams one position earlier.
 
-        streams `[T, hc_mult, D]`: the main forward's final streams; speculative `[T]` bool: its draft
-        tokens. Returns what undoes the drafts' MTP rows (None when nothing ran)."""
+        streams `[T, hc_mult, D]`: the main forward's final streams (padding rows after the real ones);
+        speculative `[T]` bool: its draft tokens. Returns what undoes the drafts' MTP rows (None when
+        nothing ran)."""
         num_slots = self.state.num_slots
         shifted, hidden_rows, token_rows, offset = [], [], [], 0
         for handle, ids in requests:
@@ -71,12 +95,14 @@ class MTPDrafter:
         if not shifted:
             return None
         device = streams.device
-        batch = ForwardBatch.build(self.state, shifted, kinds=(SLIDING,))
+        batch, shape = self._batch(shifted)
         rows = torch.tensor(token_rows, dtype=torch.long, device=device)
-        undo = _Shifted(Rollback(self.state, batch, speculative[rows], [self.layer]), rows)
+        padding = len(batch.input_ids) - len(rows)
+        undo = _Shifted(Rollback(self.state, batch, _pad_rows(speculative[rows], padding), [self.layer]), rows,
+                        padding)
         sources = (self.state.hidden.flatten(1), streams.flatten(1))
         hidden = gather_rows(sources, torch.tensor(hidden_rows, dtype=torch.long, device=device))
-        self.model.mtp_streams(hidden.view(-1, *streams.shape[1:]), batch, self.state)
+        self._run(self.model.static_follow, shape, hidden.view(-1, *streams.shape[1:]), batch)
         return undo
 
     def keep(self, slots: torch.Tensor, streams: torch.Tensor, rows: torch.Tensor) -> None:
@@ -86,26 +112,29 @@ class MTPDrafter:
 
     def propose(self, handles: Sequence[RequestState], last: Sequence[int], k: int) -> list[list[int]]:
         """k drafts for each request of `handles` (advanced past this step's accepted tokens) after its
-        last token `last[i]`."""
-        slots = torch.tensor([h.slot for h in handles], dtype=torch.long, device=self.state.hidden.device)
+        last token `last[i]`. Each draft is the next one's input on the device; the host reads them once."""
+        device = self.state.hidden.device
+        slots = torch.tensor([h.slot for h in handles], dtype=torch.long, device=device)
         hidden = self.state.hidden.index_select(0, slots)
-        last = list(last)
+        tokens = torch.tensor(list(last), dtype=torch.long, device=device)
+        r = len(handles)
         drafts, undo = [], []
-        everything = torch.ones(len(handles), dtype=torch.bool, device=slots.device)
         for i in range(k):
-            batch = ForwardBatch.build(
-                self.state, [(RequestState(h.slot, h.pages, h.num_tokens - 1 + i), [t]) for h, t in zip(handles, last)],
-                kinds=(SLIDING,))
-            undo.append(Rollback(self.state, batch, everything, [self.layer]))
-            hidden = self.model.mtp_streams(hidden, batch, self.state)
-            last = self.model.mtp[0].logits(hidden, self.model.lm_head).argmax(dim=-1).tolist()
-            drafts.append(last)
-        for rollback in reversed(undo):
-            rollback.undo(everything)
-        return [list(d) for d in zip(*drafts)]
+            batch, shape = self._batch([(RequestState(h.slot, h.pages, h.num_tokens - 1 + i), [0]) for h in handles])
+            batch.input_ids[:r] = tokens  # the last token, then each draft
+            mine = torch.arange(len(batch.input_ids), device=device) < r  # every real row (no padding)
+            undo.append((Rollback(self.state, batch, mine, [self.layer]), mine))
+            streams, top = self._run(self.model.static_draft, shape, hidden, batch)
+            # a captured graph's outputs are its buffers, which the next draft's replay overwrites
+            hidden, tokens = streams[:r].clone(), top[:r].clone()
+            drafts.append(tokens)
+        for rollback, mine in reversed(undo):
+            rollback.undo(mine)
+        return torch.stack(drafts, dim=1).tolist()
 
     def dummy_forward(self, scratch: RequestState) -> None:
         """One token through the MTP layer on the scratch request `scratch`, which never advances: keeps
         a DP rank's MoE exchanges in step with peers whose MTP layer runs (a follow or a draft)."""
-        batch = ForwardBatch.build(self.state, [(scratch, [0])], kinds=(SLIDING,))
-        self.model.mtp_streams(self.state.hidden.new_zeros(1, *self.state.hidden.shape[1:]), batch, self.state)
+        batch, shape = self._batch([(scratch, [0])])
+        hidden = self.state.hidden.new_zeros(len(batch.input_ids), *self.state.hidden.shape[1:])
+        self._run(self.model.static_follow, shape, hidden, batch)

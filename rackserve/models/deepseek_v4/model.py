@@ -131,6 +131,18 @@ class DeepseekV4ForCausalLM(CausalLM):
     def mtp_streams(self, hidden: torch.Tensor, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
         """The first MTP layer over `batch`, whose token at position i pairs with `hidden` `[T, hc_mult, D]`,
         the streams of position i (main model, or the MTP's own for a further draft) -> `[T, hc_mult, D]`."""
+        return self.static_follow(hidden, batch, state)
+
+    def static_follow(self, hidden: torch.Tensor, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
+        """`mtp_streams` outside inference mode, capture-safe for a batch built with `static` (as
+        `static_forward`)."""
         block = self.mtp[0]
         return block(hidden, self.model.embed_tokens(batch.input_ids), batch, state,
                      self.rotary(block.self_attn.kind))
+
+    def static_draft(self, hidden: torch.Tensor, batch: ForwardBatch, state: ModelState) -> tuple[torch.Tensor,
+                                                                                                      torch.Tensor]:
+        """One draft: the first MTP layer over `batch` (as `static_follow`) -> (its streams `[T, hc_mult, D]`,
+        its greedy token `[T]`, left on the device for the next draft's input)."""
+        streams = self.static_follow(hidden, batch, state)
+        return streams, self.mtp[0].logits(streams, self.lm_head).argmax(dim=-1)
