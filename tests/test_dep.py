@@ -117,7 +117,10 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, e
         # this rank holds the dense part and its slots' experts, as stored: what `rackserve memory` counts
         held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         assert held == weight_bytes(model.config, model.config.quantization, torch.float32).rank(SLOTS_PER_RANK)
-        config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, eplb_interval=eplb_interval, compile=compile)
+        # fixed shapes: one (4 token rows, 1 page of 128), as each of its pieces compiles per layer
+        shapes = dict(block_size=128, graph_buckets=(4,)) if compile != "off" else {}
+        config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, eplb_interval=eplb_interval, compile=compile,
+                              **shapes)
         engine = Engine(model, config=config, gang=gang)
         reqs = [engine.add_request(prompt(n, seed=s), SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
                 for n, s, m in ENGINE_WORK[rank]]
@@ -140,7 +143,7 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, e
 # eplb_interval 2: the experts are re-placed from the counted load every other step, weights moving
 # between the ranks while requests are in flight; nothing may change in the outputs. The EPLB case runs
 # the published FP8+FP4 checkpoint: experts are sharded and moved as stored (FP4 codes and UE8M0 scales),
-# and its decode runs on fixed shapes, traced in pieces between the exchanges (padding rows neither
+# and its decode runs on fixed shapes, traced as one graph, each exchange an opaque op (padding rows neither
 # travel nor count for EPLB), dummy forwards included.
 @pytest.mark.slow
 @pytest.mark.parametrize("eplb_interval,checkpoint,compile", [(0, "tiny_checkpoint", "off"),

@@ -13,11 +13,11 @@ into the shape's own buffers, and the shape's forward runs:
 - `compile="trace"`: dynamo traces the forward into one graph and runs it op by op without code
   generation: checks in seconds that the forward is capture-safe (tests, debugging).
 A DP rank of an expert-parallel gang (`lockstep`) exchanges tokens with its peers at every MoE
-layer, driven by the host (`RoutedMoE._expert_parallel`); its forward is compiled in pieces
-between the exchanges (`fullgraph=False`), on CUDA too: a CUDA graph cannot hold the exchange.
-A shape that fails to compile or capture runs eager from then on, with a warning naming the cause
-(in a gang, a compile failure fails the step); passes that are not decode (prefill chunks) and
-those larger than the largest bucket run eager.
+layer, driven by the host; the compiled graph calls each exchange as one opaque op
+(`rackserve::expert_parallel`), so it stays one graph, and is compiled on CUDA too: a CUDA graph
+cannot hold a host-driven exchange. A shape that fails to compile or capture runs eager from then
+on, with a warning naming the cause; passes that are not decode (prefill chunks) and those larger
+than the largest bucket run eager.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class DecodeGraphs:
         """mode: "on" or "trace" (`EngineConfig.compile`); buckets: token counts a pass is padded to;
         max_pages: the most pages a request can hold; max_new_tokens: the most tokens a request runs
         in a decode pass (1 + speculative tokens); lockstep: a DP rank of an expert-parallel gang."""
-        self.model, self.state, self.scratch, self.mode, self.lockstep = model, state, scratch, mode, lockstep
+        self.model, self.state, self.scratch, self.mode = model, state, scratch, mode
         self.buckets, self.max_new_tokens = sorted(buckets), max_new_tokens
         self.page_buckets = [1 << i for i in range(max(1, max_pages - 1).bit_length())] + [max_pages]
         self.page_buckets = sorted({p for p in self.page_buckets if p <= max_pages})
@@ -113,10 +113,9 @@ class DecodeGraphs:
                 dst.copy_(src, non_blocking=True)
         self.replays += 1
         with torch.no_grad():
-            # torch.compile compiles at the first call, before it runs anything, except a gang's
-            # pieces: those compile one by one as the forward reaches them, after exchanges the peers
-            # took part in, so a failure there cannot be retried eagerly and fails the step
-            if entry.run is not None and first and not self.cuda and not self.lockstep:
+            # torch.compile compiles the whole graph at the first call, before it runs anything (a
+            # gang's exchanges included), so a failure can be retried eagerly
+            if entry.run is not None and first and not self.cuda:
                 try:
                     return entry.run()
                 except Exception as e:  # noqa: BLE001 - a shape that cannot compile runs eager
@@ -153,7 +152,7 @@ class DecodeGraphs:
                     "CUDA graph capture" if self.cuda else "torch.compile", type(e).__name__, e)
 
     def _compile(self, fn: Callable, inputs: tuple):
-        compiled = torch.compile(fn, fullgraph=not self.lockstep, dynamic=False,
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False,
                                  backend="eager" if self.mode == "trace" else "inductor")
         return lambda: compiled(*inputs, self.state)
 

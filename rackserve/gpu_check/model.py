@@ -180,7 +180,9 @@ def check_model(setup: Setup, experts: int) -> tuple[dict, list[str]]:
         engines = {mode: LLM(tmp, device=setup.device, dtype=dtype_name, max_num_seqs=most,
                              max_num_batched_tokens=w.prefill + most, max_model_len=w.prefill + w.new_tokens,
                              prefix_caching=False, compile=mode,
-                             state_memory_mb=1.25 * (most * state.slot + pages * state.page) / 2**20).engine
+                             # one more slot and page: the fixed-shape engine's scratch request
+                             state_memory_mb=1.25 * ((most + 1) * state.slot + (pages + 1) * state.page) / 2**20
+                             ).engine
                    for mode in ("off", graphs)}
         figures["load_s"] = round(time.perf_counter() - t0, 1)
     vocab = config.vocab_size

@@ -11,6 +11,8 @@ Shapes: T tokens, D hidden, E routed experts, k experts per token, I expert inte
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -51,7 +53,10 @@ class Experts(nn.Module):
         widths = [t.shape[1:].numel() * t.element_size() for t in self.parameters()]
         for (name, t), part in zip(list(self.named_parameters()), rows.split(widths, dim=1), strict=True):
             value = part.contiguous().view(t.dtype).view(len(rows), *t.shape[1:])
-            setattr(self, name, nn.Parameter(value, requires_grad=False))
+            if value.shape == t.shape and value.device == t.device:
+                t.data.copy_(value)  # in place (an EPLB move): compiled forwards keep their inputs
+            else:
+                setattr(self, name, nn.Parameter(value, requires_grad=False))
 
 
 class RoutedMoE(nn.Module):
@@ -90,6 +95,7 @@ class RoutedMoE(nn.Module):
         rows = self.experts.rows()
         self.experts.set_rows(rows[phy2log[ep.local_slots.start:ep.local_slots.stop].to(rows.device)])
         self.ep = ep
+        _SHARDED[id(self)] = self
         self.set_layout(phy2log)
 
     def relayout(self, phy2log: torch.Tensor) -> None:
@@ -111,11 +117,15 @@ class RoutedMoE(nn.Module):
         self.layout = phy2log.cpu()
         device = self._anchor.device
         log2phy, replica_count = slot_maps(self.layout[None].long().numpy(), self.num_experts)
-        self.register_buffer("phy2log", phy2log.to(device), persistent=False)
-        self.register_buffer("log2phy", torch.from_numpy(log2phy[0]).to(device), persistent=False)
-        self.register_buffer("replica_count", torch.from_numpy(replica_count[0]).to(device), persistent=False)
-        self.register_buffer("slot_load", torch.zeros(len(phy2log), dtype=torch.int64, device=device),
-                             persistent=False)
+        maps = {"phy2log": phy2log.to(device), "log2phy": torch.from_numpy(log2phy[0]).to(device),
+                "replica_count": torch.from_numpy(replica_count[0]).to(device),
+                "slot_load": torch.zeros(len(phy2log), dtype=torch.int64, device=device)}
+        for name, value in maps.items():
+            old = self._buffers.get(name)
+            if old is not None and old.shape == value.shape and old.dtype == value.dtype:
+                old.copy_(value)  # in place: compiled forwards keep their inputs (and their guards hold)
+            else:
+                self.register_buffer(name, value, persistent=False)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 real: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,6 +135,8 @@ class RoutedMoE(nn.Module):
         if self.ep is None:
             with phase("experts"):
                 routed = self.experts(x, ids, weights)
+        elif torch.compiler.is_compiling():
+            routed = _expert_parallel_op(x, ids, weights, positions, real, id(self))
         else:
             routed = self._expert_parallel(x, ids, weights, positions, real)
         shared = self.shared(x)
@@ -138,9 +150,6 @@ class RoutedMoE(nn.Module):
         x = anchor.new_empty(0, self.experts.down_proj.shape[1])
         self._exchange(x, torch.empty(0, self.top_k, dtype=torch.long, device=x.device), x.new_empty(0, self.top_k))
 
-    # the exchange is host-driven (row counts travel first), so a compiled forward runs it outside its
-    # graphs: it is where a DP rank's compiled forward breaks into pieces (`rackserve.engine.graphs`)
-    @torch.compiler.disable
     def _expert_parallel(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                          real: torch.Tensor | None) -> torch.Tensor:
         """x `[T, D]`, ids/weights `[T, k]` -> `[T, D]`: the physical slots, counted for EPLB, then the
@@ -163,3 +172,20 @@ class RoutedMoE(nn.Module):
             y = self.experts(recv.x, recv.slots[:, None], recv.weights[:, None]) if len(recv.x) else recv.x
         with phase("dispatch/combine"):
             return self.ep.combine(y, handle)
+
+
+# A compiled forward calls a sharded layer's exchange as one opaque op (its output has its input's shape),
+# so a DP rank's forward stays one graph: the exchange is host-driven (row counts travel first) and
+# cannot be traced. The op finds its layer by id: custom ops take tensors and numbers only.
+_SHARDED: weakref.WeakValueDictionary[int, RoutedMoE] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("rackserve::expert_parallel", mutates_args=())
+def _expert_parallel_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
+                        real: torch.Tensor | None, layer: int) -> torch.Tensor:
+    return _SHARDED[layer]._expert_parallel(x, ids, weights, positions, real)
+
+
+@_expert_parallel_op.register_fake
+def _(x, ids, weights, positions, real, layer):
+    return torch.empty_like(x)
