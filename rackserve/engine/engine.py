@@ -67,8 +67,9 @@ class Engine:
                 raise ConfigError(f"compile={c.compile!r}: the {model.config.model_type} model has no fixed-shape "
                                   "forward yet; use compile='off'")
             k = c.speculative_tokens
-            self.runner.graphs = DecodeGraphs(model, self.cache.state, self.runner.dummy, c.compile,
-                                              [b for b in c.graph_buckets if b <= c.max_num_seqs * (1 + k)],
+            most = c.max_num_seqs * (1 + k)  # token rows of the largest decode pass
+            buckets = [b for b in c.graph_buckets if b < most] + [b for b in c.graph_buckets if b >= most][:1]
+            self.runner.graphs = DecodeGraphs(model, self.cache.state, self.runner.dummy, c.compile, buckets,
                                               self.cache.pages_for(c.max_model_len), 1 + k, lockstep=gang is not None)
             if self.speculator is not None:  # the draft layer's forwards run on the same shapes
                 self.speculator.drafter.graphs = self.runner.graphs

@@ -179,7 +179,8 @@ def check_model(setup: Setup, experts: int) -> tuple[dict, list[str]]:
         t0 = time.perf_counter()
         engines = {mode: LLM(tmp, device=setup.device, dtype=dtype_name, max_num_seqs=most,
                              max_num_batched_tokens=w.prefill + most, max_model_len=w.prefill + w.new_tokens,
-                             prefix_caching=False, compile=mode,
+                             # a shape per batch; one on the small run, where each shape costs a trace
+                             prefix_caching=False, compile=mode, graph_buckets=(most,) if setup.small else w.batches,
                              # one more slot and page: the fixed-shape engine's scratch request
                              state_memory_mb=1.25 * ((most + 1) * state.slot + (pages + 1) * state.page) / 2**20
                              ).engine
