@@ -14,7 +14,7 @@ from conftest import assert_same_tokens, prompt
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import LLM, SamplingParams
 from rackserve.engine.graphs import _leaves
-from rackserve.models.deepseek_v4.config import CSA
+from rackserve.models.deepseek_v4.config import CSA, HCA
 from rackserve.models.deepseek_v4.tiny import make_tiny
 from rackserve.models.interface import StaticShape
 
@@ -44,12 +44,20 @@ def assert_same_outputs(checkpoint, got, want, tol: float = 1e-5) -> None:
 
 
 @pytest.fixture(scope="module")
-def eager(tiny_checkpoint):
-    return generate(tiny_checkpoint)[1]
+def checkpoint(tmp_path_factory):
+    """The tiny model with two layers (HCA then CSA, each with its window; hash then learned routing) and
+    its MTP layer: every kind of state, and half the tracing of the five-layer one."""
+    return make_tiny(tmp_path_factory.mktemp("two-layers"), config={
+        "num_hidden_layers": 2, "layer_types": [HCA, CSA], "mlp_layer_types": ["hash_moe", "moe"]})
 
 
-def test_the_padded_decode_forward_is_one_graph_without_breaks(tiny_checkpoint):
-    llm = LLM(tiny_checkpoint, max_num_seqs=4, prefix_caching=False, compile="trace")
+@pytest.fixture(scope="module")
+def eager(checkpoint):
+    return generate(checkpoint)[1]
+
+
+def test_the_padded_decode_forward_is_one_graph_without_breaks(checkpoint):
+    llm = LLM(checkpoint, max_num_seqs=4, prefix_caching=False, compile="trace")
     engine = llm.engine
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     for n in (5, 33, 70):
@@ -69,39 +77,39 @@ def test_the_padded_decode_forward_is_one_graph_without_breaks(tiny_checkpoint):
     assert [t.shape for t in _leaves(batch)] == [t.shape for t in _leaves(other)]
 
 
-def test_traced_decode_equals_eager_on_a_ragged_workload(tiny_checkpoint):
+def test_traced_decode_equals_eager_on_a_ragged_workload(checkpoint):
     # on quantised state (FP8 entries, FP4 indexer keys); the other tests run the model dtype's
-    want = generate(tiny_checkpoint, state_dtype="fp8-fp4")[1]
-    llm, got = generate(tiny_checkpoint, compile="trace", state_dtype="fp8-fp4")
+    want = generate(checkpoint, state_dtype="fp8-fp4")[1]
+    llm, got = generate(checkpoint, compile="trace", state_dtype="fp8-fp4")
     graphs = llm.engine.runner.graphs
     assert graphs.failures == 0 and graphs.replays >= 25  # every decode step
     assert {s.tokens for _, s in graphs.shapes} == {8}
-    assert_same_outputs(tiny_checkpoint, got, want)
+    assert_same_outputs(checkpoint, got, want)
 
 
-def test_traced_verify_passes_equal_eager_with_three_drafts(tiny_checkpoint, eager):
-    llm, got = generate(tiny_checkpoint, compile="trace", speculative_tokens=3)
+def test_traced_verify_passes_equal_eager_with_three_drafts(checkpoint, eager):
+    llm, got = generate(checkpoint, compile="trace", speculative_tokens=3)
     graphs = llm.engine.runner.graphs
     assert graphs.failures == 0 and graphs.replays > 10
     # verify passes: 1 + 3 tokens per request
     assert 32 in {s.tokens for fn, s in graphs.shapes if fn == "static_forward"}
     # the draft layer's forwards too: following the main model's tokens, and drafting
     assert {fn for fn, _ in graphs.shapes} == {"static_forward", "static_follow", "static_draft"}
-    assert_same_outputs(tiny_checkpoint, got, eager)
+    assert_same_outputs(checkpoint, got, eager)
     assert llm.engine.stats()["spec_drafts"] > 0
 
 
-def test_traced_decode_survives_preemption_and_aborts(tiny_checkpoint):
+def test_traced_decode_survives_preemption_and_aborts(checkpoint):
     from test_engine import _bytes_for
 
     kwargs = dict(max_num_seqs=6, max_num_batched_tokens=256, max_model_len=192, block_size=16)
     prompts = [prompt(90 + 7 * i, seed=200 + i) for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    want = [c.token_ids for c in LLM(tiny_checkpoint, **kwargs).generate(prompts, params)]
+    want = [c.token_ids for c in LLM(checkpoint, **kwargs).generate(prompts, params)]
     # 20 pages (one is the scratch request's, and so is one more slot): the six requests together need ~50
-    slot = _bytes_for(kwargs, tiny_checkpoint, pages=0) / (2 * kwargs["max_num_seqs"])
-    llm = LLM(tiny_checkpoint, compile="trace", graph_buckets=(8,),
-              state_memory_mb=_bytes_for(kwargs, tiny_checkpoint, pages=20) + slot, **kwargs)
+    slot = _bytes_for(kwargs, checkpoint, pages=0) / (2 * kwargs["max_num_seqs"])
+    llm = LLM(checkpoint, compile="trace", graph_buckets=(8,),
+              state_memory_mb=_bytes_for(kwargs, checkpoint, pages=20) + slot, **kwargs)
     engine = llm.engine
     ids = [engine.add_request(p, params).request_id for p in prompts]
     extra = engine.add_request(prompt(50, seed=9), params).request_id
@@ -113,19 +121,19 @@ def test_traced_decode_survives_preemption_and_aborts(tiny_checkpoint):
             engine.abort(extra)  # mid-stream, with its state in the padded passes
     assert engine.stats()["preemptions"] > 0 and engine.runner.graphs.failures == 0
     assert len(tokens[extra]) == 5
-    assert_same_tokens(tiny_checkpoint, prompts, [tokens[r] for r in ids], want, params)
+    assert_same_tokens(checkpoint, prompts, [tokens[r] for r in ids], want, params)
 
 
-def test_pushed_state_decodes_on_traced_graphs_like_the_single_engine(tiny_checkpoint):
+def test_pushed_state_decodes_on_traced_graphs_like_the_single_engine(checkpoint):
     from test_disagg import WORK, assert_like_single_engine, pair, run, submit
 
-    prefill, decode = pair(tiny_checkpoint, compile="trace", graph_buckets=(8,), block_size=128)
+    prefill, decode = pair(checkpoint, compile="trace", graph_buckets=(8,), block_size=128)
     for rid, (ids, params) in WORK.items():
         submit(prefill, decode, rid, ids, params)
     got, _ = run(prefill, decode, WORK)
     assert decode.runner.graphs.replays > 0 and decode.runner.graphs.failures == 0
     assert decode.stats()["kv_recomputed"] == 0
-    assert_like_single_engine(tiny_checkpoint, WORK, got)
+    assert_like_single_engine(checkpoint, WORK, got)
 
 
 @pytest.mark.slow
@@ -152,16 +160,16 @@ def test_inductor_compiled_decode_equals_eager(tmp_path_factory):
             assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) <= 1e-5
 
 
-def test_a_shape_that_fails_to_compile_runs_eager_with_a_warning(tiny_checkpoint, eager, monkeypatch, caplog):
+def test_a_shape_that_fails_to_compile_runs_eager_with_a_warning(checkpoint, eager, monkeypatch, caplog):
     def broken(*args, **kwargs):  # the injected fault: the compiler is unavailable
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(torch, "compile", broken)
     with caplog.at_level(logging.WARNING, logger="rackserve.engine.graphs"):
-        llm, got = generate(tiny_checkpoint, compile="on")
+        llm, got = generate(checkpoint, compile="on")
     assert llm.engine.runner.graphs.failures == len(llm.engine.runner.graphs.shapes) > 0
     assert "runs eager: torch.compile failed (RuntimeError: no C++ compiler found)" in caplog.text
-    assert_same_outputs(tiny_checkpoint, got, eager)
+    assert_same_outputs(checkpoint, got, eager)
 
 
 def test_compile_settings_are_checked():
