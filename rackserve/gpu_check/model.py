@@ -48,7 +48,7 @@ class Workload:
     new_tokens: int  # tokens each request makes, the first by its prefill step
 
 
-WORKLOADS = {False: Workload(8192, (1, 64, 256), 64, 8), True: Workload(20, (1, 2, 3), 2, 2)}  # by `small`
+WORKLOADS = {False: Workload(8192, (1, 64, 256), 64, 8), True: Workload(20, (1, 3), 2, 2)}  # by `small`
 # the tiny model made cheaper for the interpreter, which runs a program per token for mHC: 20 tokens give 5
 # CSA entries (rate 4), more than the indexer keeps, so it chooses; Sinkhorn iterates twice, not 20 times
 SMALL = {"index_topk": 4, "hc_sinkhorn_iters": 2}
