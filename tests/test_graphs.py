@@ -31,9 +31,9 @@ def generate(checkpoint, **kwargs):
     return llm, llm.generate(PROMPTS, PARAMS)
 
 
-def assert_same_outputs(checkpoint, got, want, tol: float = 1e-5) -> None:
+def assert_same_outputs(checkpoint, got, want, tol: float = 1e-5, prompts=PROMPTS, params=PARAMS) -> None:
     """Same tokens (up to near-ties, `assert_same_tokens`) and, where equal, logprobs within `tol`."""
-    assert_same_tokens(checkpoint, PROMPTS, [c.token_ids for c in got], [c.token_ids for c in want], PARAMS)
+    assert_same_tokens(checkpoint, prompts, [c.token_ids for c in got], [c.token_ids for c in want], params)
     for g, w in zip(got, want):
         for a, b in zip(g.logprobs, w.logprobs):
             if a.token_id != b.token_id:
@@ -152,12 +152,7 @@ def test_inductor_compiled_decode_equals_eager(tmp_path_factory):
     graphs = llm.engine.runner.graphs
     assert list(graphs.shapes) == [("static_forward", StaticShape(8, 2))]
     assert graphs.failures == 0 and graphs.replays >= 19
-    assert_same_tokens(path, prompts, [c.token_ids for c in got], [c.token_ids for c in want], params)
-    for g, w in zip(got, want):
-        for a, b in zip(g.logprobs, w.logprobs):
-            if a.token_id != b.token_id:
-                break
-            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) <= 1e-5
+    assert_same_outputs(path, got, want, prompts=prompts, params=params)
 
 
 def test_a_shape_that_fails_to_compile_runs_eager_with_a_warning(checkpoint, eager, monkeypatch, caplog):

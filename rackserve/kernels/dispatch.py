@@ -59,15 +59,23 @@ def implementation(op: str, device: torch.device) -> Callable:
     return _resolve(op, backend(device))
 
 
-# imported once here, not on first use: torch.compile cannot trace `importlib` inside a forward
-_MODULES = {name: importlib.import_module(f"rackserve.kernels.{name}") for name in sorted(set(OPS.values()))}
+def _implementations() -> dict[tuple[str, str], Callable]:
+    """(op, backend) -> its function, for every op and backend."""
+    table = {}
+    for op, name in OPS.items():
+        module = importlib.import_module(f"rackserve.kernels.{name}")
+        for chosen in ("torch", "triton"):
+            table[op, chosen] = getattr(module, f"{op}_{chosen}", None) or getattr(module, f"{op}_torch")
+    return table
+
+
+# built once at import, not on first use: the model calls ops on every layer of every step, and
+# torch.compile cannot trace `importlib` inside a forward (a dict lookup it can)
+_IMPLEMENTATIONS = _implementations()
 
 
 def _resolve(op: str, chosen: str) -> Callable:
-    module = _MODULES[OPS[op]]
-    if chosen == "triton" and hasattr(module, f"{op}_triton"):
-        return getattr(module, f"{op}_triton")
-    return getattr(module, f"{op}_torch")
+    return _IMPLEMENTATIONS[op, chosen]
 
 
 def _moe_ffn_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
