@@ -60,6 +60,10 @@ class EngineConfig:
       "trace" (traced as one graph and run without code generation: checks capture safety quickly).
     graph_buckets: the token counts a decode pass is padded to when `compile` is on; a pass with more
       tokens than the largest runs eager.
+    async_scheduling: schedule step N+1 and build its inputs, and process step N's outputs, while
+      step N's forward runs (on a forward thread); the tokens sampled at N reach N+1 on the device.
+      Outputs are the same as without it. Not with speculative decoding yet (a step verifies the
+      drafts the host took from the step before).
     """
 
     max_num_seqs: int = 32
@@ -82,6 +86,7 @@ class EngineConfig:
     state_dtype: str = "auto"
     compile: str = "off"
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.eplb_interval, int) or self.eplb_interval < 0:
@@ -118,6 +123,12 @@ class EngineConfig:
         k = self.speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"speculative_tokens={k!r} must be an integer from 0 (off) to {MAX_SPECULATIVE_TOKENS}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling={self.async_scheduling!r} must be true or false")
+        if self.async_scheduling and k:
+            raise ConfigError("async_scheduling does not run with speculative decoding yet (each step verifies the "
+                              "drafts the step before proposed on the host); set speculative_tokens: 0 or "
+                              "async_scheduling: false")
 
     def resolve(self, model: ModelSpec) -> "EngineConfig":
         """Fill the model-dependent defaults and check them against `model` (a family's config)."""

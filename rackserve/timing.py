@@ -7,12 +7,15 @@
 then gives exclusive seconds per phase: time in a phase nested inside another counts for the inner
 one only, so the phases add up to the time measured. Off (the default), `phase` costs one branch.
 On CUDA, each phase boundary synchronises the device so the time is the kernels', not the launches'
-(which slows the run: profile, don't serve, with it on).
+(which slows the run: profile, don't serve, with it on). Phases nest per thread: with async
+scheduling the forward thread's phases run beside the host's, and the totals then add up to more
+than the wall time.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import defaultdict
 from contextlib import AbstractContextManager, nullcontext
@@ -21,7 +24,14 @@ import torch
 
 _enabled = os.environ.get("RACKSERVE_PROFILE") == "1"
 _totals: defaultdict[str, float] = defaultdict(float)
-_stack: list[_Phase] = []  # the phases open now, innermost last
+_lock = threading.Lock()  # guards _totals, which every thread's phases add to
+_local = threading.local()  # .stack: this thread's phases open now, innermost last
+
+
+def _stack() -> list[_Phase]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
 
 
 def enable(on: bool = True) -> None:
@@ -43,15 +53,17 @@ class _Phase:
     def __enter__(self) -> None:
         _sync()
         self.start = time.perf_counter()
-        _stack.append(self)
+        _stack().append(self)
 
     def __exit__(self, *exc) -> None:
         _sync()
         elapsed = time.perf_counter() - self.start
-        _stack.pop()
-        _totals[self.name] += elapsed - self.nested
-        if _stack:
-            _stack[-1].nested += elapsed
+        stack = _stack()
+        stack.pop()
+        with _lock:
+            _totals[self.name] += elapsed - self.nested
+        if stack:
+            stack[-1].nested += elapsed
 
 
 _OFF = nullcontext()

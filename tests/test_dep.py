@@ -105,7 +105,7 @@ ENGINE_WORK = {0: [(40, 11, 12), (9, 12, 20), (70, 13, 6)], 1: [(25, 14, 4)]}
 
 
 def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, eplb_interval: int, compile: str,
-                  results) -> None:
+                  overlap: bool, results) -> None:
     from rackserve.collective import join
     from rackserve.config import EngineConfig
     from rackserve.engine import Engine, SamplingParams
@@ -120,14 +120,14 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, e
         # fixed shapes: one (4 token rows, 1 page of 128), as each of its pieces compiles per layer
         shapes = dict(block_size=128, graph_buckets=(4,)) if compile != "off" else {}
         config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, eplb_interval=eplb_interval, compile=compile,
-                              **shapes)
+                              async_scheduling=overlap, **shapes)
         engine = Engine(model, config=config, gang=gang)
         reqs = [engine.add_request(prompt(n, seed=s), SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
                 for n, s, m in ENGINE_WORK[rank]]
         dummy_steps = 0
         while True:
             engine.step()
-            if engine.gang_tokens.sum() == 0:  # the whole gang is idle: done
+            if engine.gang_tokens.sum() == 0 and not engine.gang_busy:  # the whole gang is idle: done
                 break
             dummy_steps += engine.gang_tokens[rank] == 0
         stats = engine.stats()
@@ -144,12 +144,14 @@ def engine_worker(rank: int, port: int, rendezvous_at: tuple, checkpoint: str, e
 # between the ranks while requests are in flight; nothing may change in the outputs. The EPLB case runs
 # the published FP8+FP4 checkpoint: experts are sharded and moved as stored (FP4 codes and UE8M0 scales),
 # and its decode runs on fixed shapes, traced as one graph, each exchange an opaque op (padding rows neither
-# travel nor count for EPLB), dummy forwards included.
+# travel nor count for EPLB), dummy forwards included, with async scheduling: the forward threads run the
+# exchanges a step behind the host syncs, and experts move between two steps' forwards.
 @pytest.mark.slow
-@pytest.mark.parametrize("eplb_interval,checkpoint,compile", [(0, "tiny_checkpoint", "off"),
-                                                              (2, "published_fp4", "trace")],
-                         ids=["static", "eplb-fp4-traced"])
-def test_dep2_engines_in_lockstep_equal_the_single_process_engine(request, eplb_interval, checkpoint, compile):
+@pytest.mark.parametrize("eplb_interval,checkpoint,compile,overlap", [(0, "tiny_checkpoint", "off", False),
+                                                                      (2, "published_fp4", "trace", True)],
+                         ids=["static", "eplb-fp4-traced-async"])
+def test_dep2_engines_in_lockstep_equal_the_single_process_engine(request, eplb_interval, checkpoint, compile,
+                                                                   overlap):
     from rackserve.collective import RendezvousServer
     from rackserve.engine import LLM, SamplingParams
 
@@ -158,7 +160,7 @@ def test_dep2_engines_in_lockstep_equal_the_single_process_engine(request, eplb_
     results, port = ctx.Queue(), free_port()
     server = RendezvousServer(WORLD, "test-secret")
     procs = [ctx.Process(target=engine_worker,
-                         args=(r, port, server.address, str(path), eplb_interval, compile, results))
+                         args=(r, port, server.address, str(path), eplb_interval, compile, overlap, results))
              for r in range(WORLD)]
     for p in procs:
         p.start()

@@ -99,18 +99,20 @@ def test_traced_verify_passes_equal_eager_with_three_drafts(checkpoint, eager):
     assert llm.engine.stats()["spec_drafts"] > 0
 
 
-def test_traced_decode_survives_preemption_and_aborts(checkpoint):
+def decode_tight_with_an_abort(checkpoint, **kwargs):
+    """Six requests under a state budget that makes them preempt each other, and a seventh aborted
+    after its 5th token (mid-stream, its state in the step's passes); `kwargs`: the engine's settings
+    beyond those. Checks the six get what a roomy engine gives and the seventh no more; returns the
+    engine."""
     from test_engine import _bytes_for
 
-    kwargs = dict(max_num_seqs=6, max_num_batched_tokens=256, max_model_len=192, block_size=16)
+    sizes = dict(max_num_seqs=6, max_num_batched_tokens=256, max_model_len=192, block_size=16)
     prompts = [prompt(90 + 7 * i, seed=200 + i) for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    want = [c.token_ids for c in LLM(checkpoint, **kwargs).generate(prompts, params)]
-    # 20 pages (one is the scratch request's, and so is one more slot): the six requests together need ~50
-    slot = _bytes_for(kwargs, checkpoint, pages=0) / (2 * kwargs["max_num_seqs"])
-    llm = LLM(checkpoint, compile="trace", graph_buckets=(8,),
-              state_memory_mb=_bytes_for(kwargs, checkpoint, pages=20) + slot, **kwargs)
-    engine = llm.engine
+    want = [c.token_ids for c in LLM(checkpoint, **sizes).generate(prompts, params)]
+    # 20 pages (one may be the scratch request's, and so one more slot): the six together need ~50
+    slot = _bytes_for(sizes, checkpoint, pages=0) / (2 * sizes["max_num_seqs"])
+    engine = LLM(checkpoint, state_memory_mb=_bytes_for(sizes, checkpoint, pages=20) + slot, **sizes, **kwargs).engine
     ids = [engine.add_request(p, params).request_id for p in prompts]
     extra = engine.add_request(prompt(50, seed=9), params).request_id
     tokens = {rid: [] for rid in [*ids, extra]}
@@ -118,10 +120,16 @@ def test_traced_decode_survives_preemption_and_aborts(checkpoint):
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
         if len(tokens[extra]) == 5:
-            engine.abort(extra)  # mid-stream, with its state in the padded passes
-    assert engine.stats()["preemptions"] > 0 and engine.runner.graphs.failures == 0
+            engine.abort(extra)
+    assert engine.stats()["preemptions"] > 0
     assert len(tokens[extra]) == 5
     assert_same_tokens(checkpoint, prompts, [tokens[r] for r in ids], want, params)
+    return engine
+
+
+def test_traced_decode_survives_preemption_and_aborts(checkpoint):
+    engine = decode_tight_with_an_abort(checkpoint, compile="trace", graph_buckets=(8,))
+    assert engine.runner.graphs.failures == 0
 
 
 def test_pushed_state_decodes_on_traced_graphs_like_the_single_engine(checkpoint):

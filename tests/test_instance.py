@@ -1,7 +1,8 @@
 """Instances of Ray actors on the session's local Ray cluster: DEP2, DEP4 and attention–FFN split
 (2 attention + 2 expert ranks) give the same greedy outputs as the single-process engine for
 requests arriving at different times, with EPLB re-placing skewed experts mid-generation; an idle
-gang does not spin; many concurrent streams each get their tokens as they are made; a killed member
+gang does not spin; many concurrent streams each get their tokens as they are made (with async
+scheduling); a killed member
 fails the requests in flight with an error naming it and the gang restarts; bad configuration fails
 at creation; a gang that cannot start leaves no actors behind."""
 
@@ -138,26 +139,32 @@ def test_split_instance_from_a_plan(ray_cluster, hot_checkpoint):
 
 @pytest.mark.slow
 def test_many_concurrent_streams_each_arrive_token_by_token(ray_cluster, tiny_checkpoint):
-    """48 streams from one DP rank, more than its actor has threads, 16 of them running at a time
-    (the others wait, as P/D requests wait for their state): every request's tokens reach its reader
-    in several deliveries as they are made, not in one burst at the end."""
-    inst = Instance(tiny_checkpoint, dep=1, engine_kwargs={"max_num_seqs": 16, "max_num_batched_tokens": 256})
+    """48 streams from one DP rank with async scheduling, more than its actor has threads, 16 of them
+    running at a time (the others wait, as P/D requests wait for their state): every request's tokens
+    reach its reader in several deliveries as they are made, not in one burst at the end, and are the
+    single-process engine's."""
+    inst = Instance(tiny_checkpoint, dep=1, engine_kwargs={"max_num_seqs": 16, "max_num_batched_tokens": 256,
+                                                           "async_scheduling": True})
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [prompt(10, seed=300 + i) for i in range(48)]
     try:
-        ids = [inst.submit(prompt(10, seed=300 + i), params) for i in range(48)]
+        ids = [inst.submit(p, params) for p in prompts]
 
-        async def arrivals(request_id: str) -> list[float]:
-            """When each token reached this reader (s)."""
-            return [time.perf_counter() async for out in inst.astream(request_id) for _ in out.new_token_ids]
+        async def arrivals(request_id: str) -> list[tuple[float, int]]:
+            """When each token reached this reader (s), and the token."""
+            return [(time.perf_counter(), t) async for out in inst.astream(request_id) for t in out.new_token_ids]
 
-        async def read_all() -> list[list[float]]:
+        async def read_all() -> list[list[tuple[float, int]]]:
             return await asyncio.gather(*map(arrivals, ids))
 
-        times = asyncio.run(read_all())
+        got = asyncio.run(read_all())
+        times = [[at for at, _ in row] for row in got]
         assert [len(t) for t in times] == [12] * len(ids)
         # tokens handed over together arrive microseconds apart; separate steps are milliseconds apart
         deliveries = [1 + sum(b - a > 1e-3 for a, b in zip(t, t[1:])) for t in times]
         assert min(deliveries) >= 3, deliveries
+        want = [c.token_ids for c in LLM(tiny_checkpoint).generate(prompts, params)]
+        assert_same_tokens(tiny_checkpoint, prompts, [[t for _, t in row] for row in got], want, params)
     finally:
         inst.shutdown()
 

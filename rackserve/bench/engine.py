@@ -1,5 +1,5 @@
-"""Offline throughput and decode step time of the engine, eager and compiled, against transformers'
-`generate`, on the tiny checkpoint.
+"""Offline throughput and decode step time of the engine, eager, compiled, and compiled with async
+scheduling (host work beside the forward), against transformers' `generate`, on the tiny checkpoint.
 
     python -m rackserve.bench.engine [--requests 64] [--isl 256] [--osl 128] [--batch 32]
                                      [--step-batches 1,8,32,128] [--compile on]
@@ -7,14 +7,17 @@
 Throughput: every side generates `--osl` greedy tokens (EOS ignored) for `--requests` prompts of
 `--isl` tokens. Ours runs them through continuous batching with `max_num_seqs = --batch`, eager and
 with the decode forward on fixed shapes (`--compile`: "on" compiles with inductor; "trace" only
-traces, for a quick check); the reference runs `generate` on batches of `--batch` prompts (equal
+traces, for a quick check), and compiled with `async_scheduling` ("compiled + overlap": step N+1 is
+scheduled and built, and step N's outputs processed, while N's forward runs on the forward thread);
+the reference runs `generate` on batches of `--batch` prompts (equal
 lengths, no padding wasted). The compiled engine's first run pays compilation (cached on disk by
 inductor); it is reported apart and the timed runs come after it.
 
 Decode step: for each batch size of `--step-batches`, that many requests decode together; the
-median step time, and within it the host's time (scheduling, batch preparation, sampling, output
-handling: all but the model forward), which runs serially with the forward, i.e. all of it is on
-the critical path. transformers' step: the time of `generate` per new token beyond the first.
+median step time, and the host's time on the critical path: without overlap all of the step but
+the model forward (scheduling, batch preparation, sampling, output handling); with it, the time the
+forward thread waited for the host between two steps. transformers' step: the time of `generate`
+per new token beyond the first.
 The machine is shared and noisy: read ratios and medians.
 """
 
@@ -52,10 +55,11 @@ class _Timed:
 class _Engine:
     """One of our engines under test, its forwards timed (eager and fixed-shape alike)."""
 
-    def __init__(self, name: str, compile: str, batch: int, max_len: int):
+    def __init__(self, name: str, compile: str, batch: int, max_len: int, overlap: bool = False):
         self.name = name
         self.llm = LLM("tiny", max_num_seqs=batch, max_num_batched_tokens=max(2048, batch + 1), max_model_len=max_len,
-                       block_size=128, prefix_caching=False, compile=compile, graph_buckets=(1, 8, 32, 128))
+                       block_size=128, prefix_caching=False, compile=compile, graph_buckets=(1, 8, 32, 128),
+                       async_scheduling=overlap)
         self.engine = self.llm.engine
         runner = self.engine.runner
         self.forward = runner.model = _Timed(runner.model)
@@ -75,22 +79,29 @@ class _Engine:
             self.engine.step()
         return time.perf_counter() - t0
 
+    def host_s(self, step_s: float, forward_s: float, waited_s: float) -> float:
+        """Host seconds of a step on the critical path, from the step's time and its deltas of
+        `forward_s` and of the forward thread's `waited_s`."""
+        return waited_s if self.engine.forward_thread is not None else step_s - forward_s
+
     def decode_steps(self, prompts: list[list[int]], steps: int) -> tuple[float, float]:
-        """(median step seconds, median host seconds of a step) over `steps` decode steps of all `prompts`."""
+        """(median step seconds, median host seconds of a step on the critical path) over `steps` decode
+        steps of all `prompts`."""
         # room for the steps after the prefill of the first ones: every timed step decodes them all
         params = SamplingParams(max_tokens=steps + STEP_SLACK, temperature=0.0, ignore_eos=True)
         requests = [self.engine.add_request(row, params) for row in prompts]
         sched = self.engine.scheduler
-        while sched.waiting or any(len(r.token_ids) - r.num_computed > 1 for r in sched.running):
+        while sched.waiting or any(r.num_known - r.num_computed > 1 for r in sched.running):
             self.engine.step()  # prefill
+        thread = self.engine.forward_thread
         step_s, host_s = [], []
         for _ in range(steps):
             assert len(sched.running) == len(prompts)
-            f0, t0 = self.forward_s, time.perf_counter()
+            f0, w0, t0 = self.forward_s, thread.waited_s if thread else 0.0, time.perf_counter()
             self.engine.step()
             step = time.perf_counter() - t0
             step_s.append(step)
-            host_s.append(step - (self.forward_s - f0))
+            host_s.append(self.host_s(step, self.forward_s - f0, (thread.waited_s - w0) if thread else 0.0))
         for req in requests:
             self.engine.abort(req.request_id)
         return statistics.median(step_s), statistics.median(host_s)
@@ -113,10 +124,11 @@ def main(argv: list[str] | None = None) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, vocab, (args.requests, args.isl), generator=g)
     max_len = max(args.isl + args.osl, STEP_PROMPT + STEP_TOKENS + STEP_SLACK) + 1
-    compiled = f"compiled ({args.compile})"
+    compiled, overlap = f"compiled ({args.compile})", f"compiled ({args.compile}) + overlap"
 
     def engines(batch: int) -> list[_Engine]:
-        return [_Engine("eager", "off", batch, max_len), _Engine(compiled, args.compile, batch, max_len)]
+        return [_Engine("eager", "off", batch, max_len), _Engine(compiled, args.compile, batch, max_len),
+                _Engine(overlap, args.compile, batch, max_len, overlap=True)]
 
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
 
@@ -143,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     throughput_engines = engines(args.batch)
     compile_s = throughput_engines[1].generate(prompts.tolist(), params)  # first run: compiles
+    throughput_engines[2].generate(prompts.tolist(), params)  # the same shapes, from inductor's cache
     times: dict[str, list[float]] = {e.name: [] for e in throughput_engines} | {"transformers": []}
     for _ in range(args.repeats):
         for engine in throughput_engines:
@@ -159,23 +172,26 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<34} {statistics.median(s):>8.2f} {tps[name]:>13.1f} {tps[name] / ref_tps:>15.2f}x")
     print(f"(the compiled engine's first run, compiling its shapes: {compile_s:.1f} s)")
     print()
-    print(f"decode step (ms), {STEP_PROMPT}-token prompts; host = step minus forward, all of it on the critical path")
-    print(f"{'batch':>5} {'eager':>8} {'compiled':>9} {'transformers':>13} {'compiled vs tf':>15} "
-          f"{'host eager':>11} {'host compiled':>14} {'host share':>11}")
+    print(f"decode step (ms), {STEP_PROMPT}-token prompts; host share: host time on the critical path / step")
+    print(f"{'batch':>5} {'eager':>8} {'compiled':>9} {'+ overlap':>10} {'transformers':>13} {'overlap vs tf':>14} "
+          f"{'host eager':>11} {'host compiled':>14} {'host overlap':>13}")
     for b, row in steps.items():
-        c, e = row[compiled], row["eager"]
-        print(f"{b:>5} {e * 1e3:>8.2f} {c * 1e3:>9.2f} {row['transformers'] * 1e3:>13.2f} "
-              f"{row['transformers'] / c:>14.2f}x {row['eager host'] * 1e3:>11.2f} "
-              f"{row[f'{compiled} host'] * 1e3:>14.2f} {row[f'{compiled} host'] / c:>10.1%}")
+        c, e, o = row[compiled], row["eager"], row[overlap]
+        print(f"{b:>5} {e * 1e3:>8.2f} {c * 1e3:>9.2f} {o * 1e3:>10.2f} {row['transformers'] * 1e3:>13.2f} "
+              f"{row['transformers'] / o:>13.2f}x {row['eager host'] / e:>11.1%} "
+              f"{row[f'{compiled} host'] / c:>14.1%} {row[f'{overlap} host'] / o:>13.1%}")
     result = {"bench": "engine", "requests": args.requests, "isl": args.isl, "osl": args.osl, "batch": args.batch,
               "compile": args.compile, "ref_tok_s": round(ref_tps, 1),
               "eager_tok_s": round(tps["eager"], 1), "compiled_tok_s": round(tps[compiled], 1),
+              "overlap_tok_s": round(tps[overlap], 1),
               "eager_speedup": round(tps["eager"] / ref_tps, 2), "compiled_speedup": round(tps[compiled] / ref_tps, 2),
+              "overlap_speedup": round(tps[overlap] / ref_tps, 2),
               "first_compiled_run_s": round(compile_s, 1),
               "step_ms": {b: {"eager": round(r["eager"] * 1e3, 3), "compiled": round(r[compiled] * 1e3, 3),
-                              "transformers": round(r["transformers"] * 1e3, 3)} for b, r in steps.items()},
-              "host_share_compiled": {b: round(r[f"{compiled} host"] / r[compiled], 3) for b, r in steps.items()},
-              "host_share_eager": {b: round(r["eager host"] / r["eager"], 3) for b, r in steps.items()}}
+                              "overlap": round(r[overlap] * 1e3, 3), "transformers": round(r["transformers"] * 1e3, 3)}
+                          for b, r in steps.items()},
+              "host_share": {name: {b: round(r[f"{key} host"] / r[key], 3) for b, r in steps.items()}
+                             for name, key in (("eager", "eager"), ("compiled", compiled), ("overlap", overlap))}}
     return script.headline(result)
 
 

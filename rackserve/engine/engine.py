@@ -12,11 +12,12 @@ import torch
 
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine.detokenizer import IncrementalDetokenizer
+from rackserve.engine.forward_thread import ForwardThread
 from rackserve.engine.graphs import DecodeGraphs
 from rackserve.engine.gang import ExpertBalancer, Gang, sync
 from rackserve.engine.kv_port import KVPort
 from rackserve.engine.request import Request, RequestOutput
-from rackserve.engine.runner import Runner, plan_passes
+from rackserve.engine.runner import Runner, StepInFlight, plan_passes
 from rackserve.engine.sampling import SamplingParams
 from rackserve.engine.scheduler import Scheduler
 from rackserve.engine.speculative import Speculator
@@ -73,6 +74,11 @@ class Engine:
                                               self.cache.pages_for(c.max_model_len), 1 + k, lockstep=gang is not None)
             if self.speculator is not None:  # the draft layer's forwards run on the same shapes
                 self.speculator.drafter.graphs = self.runner.graphs
+        self.forward_thread: ForwardThread | None = None
+        self._in_flight: StepInFlight | None = None  # async scheduling: the step the forward thread has
+        if c.async_scheduling:
+            self.forward_thread = ForwardThread()
+            self.cache.fence = self._fence
         if gang is not None:
             self.runner.lockstep = True
             self.balancer = ExpertBalancer(model.moe_layers, gang, c.eplb_interval, c.eplb_min_gain,
@@ -157,7 +163,8 @@ class Engine:
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or (self.kv is not None and self.kv.pending)
+        return (self.scheduler.has_unfinished() or (self.kv is not None and self.kv.pending)
+                or self._in_flight is not None)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -167,18 +174,30 @@ class Engine:
         tokens per rank, forward passes, MTP draft forwards) makes every rank run the same number
         of forwards of each kind, dummy ones where it has no work, or all of them skip the step
         when no rank has work.
+
+        With async scheduling, the step's device work goes to the forward thread and the outputs
+        returned are those of the step before, processed while this one runs. In a gang, the forward
+        threads run the MoE exchanges (the expert-parallel group) and the host threads the host sync
+        (the host collective): one step apart, each in the same order on every member.
         """
+        if self.balancer is not None and self._in_flight is not None:  # async: count the step in flight
+            with phase("eplb"):  # before this step's host sync, where an expert rank re-places too
+                if self.balancer.due:
+                    self._fence()  # the experts move between that step's forwards and the next one's
+                self.balancer.after_step()
         loaded = self._load_pushed() if self.kv is not None else []
         with phase("schedule"):
             out = self.scheduler.schedule()
             passes = plan_passes(out, self.cache)
         num_passes, num_drafts = len(passes), self.runner.draft_forwards(out)
-        busy = self.kv is not None and self.kv.pending
+        busy = (self.kv is not None and self.kv.pending) or self._in_flight is not None
         if self.gang is not None:
             with phase("host sync"):
                 agreed = sync(self.gang, out.num_tokens, num_passes, num_drafts, busy)
                 self.gang_tokens, num_passes, num_drafts, self.gang_busy = agreed
                 busy = self.gang_busy
+        if self.forward_thread is not None:
+            return loaded + self._step_async(out, passes, num_passes)
         if num_passes == 0:
             if self.kv is not None:
                 self.kv.progress()
@@ -196,6 +215,31 @@ class Engine:
             with phase("eplb"):
                 self.balancer.after_step()
         return outputs
+
+    def _step_async(self, out, passes, num_passes: int) -> list[RequestOutput]:
+        """Hand this step's device work to the forward thread, then process the step before it."""
+        started = None
+        if num_passes:
+            follows = self._in_flight is not None
+            started = self.runner.start(out, passes, num_passes, self._in_flight,
+                                        lambda work: self.forward_thread.submit(work, follows))
+            self.num_steps += 1
+        previous, self._in_flight = self._in_flight, started
+        outputs = []
+        if previous is not None:
+            result = self.runner.finish(previous)
+            with phase("update"):
+                outputs = self.scheduler.update(previous.out, result)
+        if self.kv is not None:
+            self._push_prefilled()
+            if started is None and previous is None and self.kv.pending:
+                time.sleep(KV_POLL_S)  # nothing to compute until a transfer lands: yield the CPU
+        return outputs
+
+    def _fence(self) -> None:
+        """Wait until the forward thread has run every step handed to it (async scheduling)."""
+        if self._in_flight is not None:
+            self._in_flight.future.result()
 
     def _load_pushed(self) -> list[RequestOutput]:
         """Decode side of P/D: prefill locally what failed to arrive, then admit at most

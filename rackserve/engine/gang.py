@@ -93,10 +93,16 @@ class ExpertBalancer:
         # per group: (balancedness before, after) of the last 16 re-placements
         self.history = {name: deque(maxlen=16) for name in self.groups}
 
+    @property
+    def due(self) -> bool:
+        """Whether the next `after_step` re-places experts."""
+        return bool(self.interval) and (self.num_steps + 1) % self.interval == 0
+
     def after_step(self) -> None:
         """Count one gang step (one with forward passes); re-place when the interval is due."""
+        due = self.due
         self.num_steps += 1
-        if self.interval and self.num_steps % self.interval == 0:
+        if due:
             for name, layers in self.groups.items():
                 done = rebalance_experts(layers, lambda a: self.gang.allreduce(a, "sum"), self.min_gain)
                 self.moved_slots += done.moved_slots

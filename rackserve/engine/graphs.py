@@ -32,6 +32,9 @@ from rackserve.models.interface import BatchRequest, ServingModel, StaticShape
 from rackserve.models.state import PagedState, RequestState
 
 log = logging.getLogger(__name__)
+_DYNAMO_RECOMPILES = torch._dynamo.config.recompile_limit  # dynamo's defaults
+_DYNAMO_ACCUMULATED = torch._dynamo.config.accumulated_recompile_limit
+_compiled = 0  # shapes compiled in this process, by every engine
 
 
 def _leaves(x) -> list[torch.Tensor]:
@@ -73,12 +76,6 @@ class DecodeGraphs:
         self.shapes: dict[tuple[str, StaticShape], _Shape] = {}  # by (function, shape)
         self.replays = 0  # calls run on a fixed shape
         self.failures = 0  # shapes that failed to compile or capture (they run eager)
-        if not self.cuda:
-            # every shape is its own specialisation of a function: let dynamo keep them all
-            limit = len(self.buckets) * len(self.page_buckets) + 8
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-            torch._dynamo.config.accumulated_recompile_limit = max(
-                torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
         self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
 
     def shape_for(self, requests: Sequence[BatchRequest]) -> StaticShape | None:
@@ -152,6 +149,13 @@ class DecodeGraphs:
                     "CUDA graph capture" if self.cuda else "torch.compile", type(e).__name__, e)
 
     def _compile(self, fn: Callable, inputs: tuple):
+        # every shape is one more specialisation of `fn`, beside those every engine of the process made
+        # before: let dynamo keep them all. Its settings are per thread: this is the one that compiles.
+        global _compiled
+        _compiled += 1
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, _DYNAMO_RECOMPILES + _compiled)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, _DYNAMO_ACCUMULATED + _compiled)
         compiled = torch.compile(fn, fullgraph=True, dynamic=False,
                                  backend="eager" if self.mode == "trace" else "inductor")
         return lambda: compiled(*inputs, self.state)

@@ -167,6 +167,7 @@ class KVPort:
     def load(self, inc: Incoming, handle: CacheHandle) -> None:
         """Copy an arrived state into `handle` (holding pages for its tokens) and release its range."""
         num_tokens = inc.num_tokens if inc.pulled else inc.request.num_prompt
+        self.cache.fence()
         self.cache.state.import_from(handle, self.agent.view(inc.offset, inc.nbytes), num_tokens)
         del self.incoming[inc.request.request_id]
         self.agent.free(inc.offset)
@@ -208,6 +209,7 @@ class KVPort:
             if remote is not None:
                 self.store.ranges.free(remote)
             return  # the inbox or the pool is full: skip, it is only a cache
+        self.cache.fence()
         self.cache.state.export_into(prefix, self.agent.view(local, nbytes))
         inbox = self.store.inbox
         region = RemoteRegion(inbox.agent, inbox.addr + remote, nbytes, inbox.device, inbox.mem)
@@ -243,6 +245,7 @@ class KVPort:
         if offset is None:
             self._push_failed(req.request_id, res.region.agent)
             return
+        self.cache.fence()
         self.cache.state.export_into(handle, self.agent.view(offset, nbytes))
         try:
             transfer = self.agent.write(offset, res.region, notif=_pushed(req).encode())

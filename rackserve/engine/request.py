@@ -37,7 +37,8 @@ class Request:
     eos_ids: tuple[int, ...] = ()
     detokenizer: IncrementalDetokenizer | None = None
     token_ids: list[int] = field(init=False)  # prompt + output so far
-    num_computed: int = 0  # tokens whose state is in the cache
+    num_computed: int = 0  # tokens whose state is in the cache, or will be once the scheduled steps ran
+    num_pending: int = 0  # tokens sampled by scheduled steps, not yet in token_ids
     num_cached: int = 0  # prompt tokens served by the prefix cache at first admission
     handle: CacheHandle | None = None
     status: Status = Status.WAITING
@@ -53,6 +54,11 @@ class Request:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens so far, the pending ones included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_ids(self) -> list[int]:

@@ -5,6 +5,13 @@ new requests in arrival order (a long prompt at the head is never overtaken, so 
 When state memory runs out, the latest-arrived unscheduled running request is preempted: its
 state is freed and it is recomputed later (the prefix cache usually makes that cheap).
 `update()` applies the sampled tokens and decides which requests have finished.
+
+A scheduled chunk counts as computed when it is scheduled, and a token it samples is *pending*
+(`Request.num_pending`) until `update` appends it. With async scheduling the engine schedules step
+N+1 before step N's tokens are known: a request whose token is pending decodes it (the forward
+takes it from step N's output on the device), except when the pending token will finish it for
+sure (its last allowed token, or a prefill whose state is pushed elsewhere) or, with prefix caching,
+completes a block (a block's hash needs its tokens; the request sits that step out).
 """
 
 from __future__ import annotations
@@ -20,18 +27,16 @@ from rackserve.engine.state_cache import CacheHandle, StateCache
 
 @dataclass
 class ScheduledChunk:
-    """Tokens `[start, start + num_tokens)` of `request.token_ids` to compute this step, then (a decode
-    with speculative decoding) `draft_ids`, drafted tokens to verify after them."""
+    """Tokens `[start, start + num_tokens)` of the request's tokens to compute this step (the last
+    of them may be pending: sampled by the step in flight), then (a decode with speculative decoding)
+    `draft_ids`, drafted tokens to verify after them. `samples`: the chunk reaches the request's last
+    token, so its logits give the next one."""
 
     request: Request
     start: int
     num_tokens: int
     draft_ids: list[int] = field(default_factory=list)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the last known token, so its logits give the next token."""
-        return self.start + self.num_tokens == len(self.request.token_ids)
+    samples: bool = False
 
 
 @dataclass
@@ -79,17 +84,21 @@ class Scheduler:
         """Stop a request wherever it is and free its state; None if it is not here."""
         req = self.find(request_id)
         if req is not None:
-            (self.running if req.status is Status.RUNNING else self.waiting).remove(req)
+            self._queue(req).remove(req)
             self._finish(req, "abort")
         return req
+
+    def _queue(self, req: Request) -> list[Request] | deque[Request]:
+        return self.running if req.status is Status.RUNNING else self.waiting
 
     # ---- schedule ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
-        decodes = [r for r in self.running if len(r.token_ids) - r.num_computed == 1]
-        prefills = [r for r in self.running if len(r.token_ids) - r.num_computed > 1]
+        ready = [r for r in self.running if not self._waits(r)]
+        decodes = [r for r in ready if r.num_known - r.num_computed == 1]
+        prefills = [r for r in ready if r.num_known - r.num_computed > 1]
         for req in decodes + prefills:
             if budget == 0:
                 break
@@ -98,12 +107,14 @@ class Scheduler:
             n = self._chunk(req, budget)
             drafts = self._drafts(req, budget - n) if n == 1 else []
             if self._make_room(req, n + len(drafts), scheduled, out):
-                out.chunks.append(ScheduledChunk(req, req.num_computed, n, drafts))
+                self._emit(out, req, n, drafts)
                 scheduled.add(req.request_id)
                 budget -= n + len(drafts)
         # admit new requests only when nobody had to be preempted: memory is tight otherwise
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:  # preempted while its step runs: back once its token is known
+                break
             handle = self.cache.allocate(req.token_ids)
             if handle is None:
                 break
@@ -116,16 +127,37 @@ class Scheduler:
                 req.num_cached = handle.num_tokens
             req.handle, req.num_computed, req.status = handle, handle.num_tokens, Status.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, req.num_computed, n))
+            self._emit(out, req, n, [])
             budget -= n
         return out
+
+    def _emit(self, out: SchedulerOutput, req: Request, n: int, drafts: list[int]) -> None:
+        """Schedule `n` tokens of `req` (and `drafts`): they count as computed from now on."""
+        chunk = ScheduledChunk(req, req.num_computed, n, drafts, samples=req.num_computed + n == req.num_known)
+        req.num_computed += n
+        req.num_pending += chunk.samples
+        out.chunks.append(chunk)
+
+    def _waits(self, req: Request) -> bool:
+        """Whether `req`, with a token pending, sits this step out: that token finishes it for sure,
+        or (prefix caching) it completes a block whose hash needs it."""
+        n = req.num_known
+        return self._done_when_known(req) or (req.num_pending > 0 and self.cache.prefix_caching
+                                              and n % self.cache.block_size == 0)
+
+    def _done_when_known(self, req: Request) -> bool:
+        """Whether a pending token of `req` finishes it for sure: its last allowed token, or the first
+        token of a prefill whose state is pushed elsewhere."""
+        n = req.num_known
+        return req.num_pending > 0 and (req.push_to is not None or n - req.num_prompt >= req.params.max_tokens
+                                        or n >= self.config.max_model_len)
 
     def _chunk(self, req: Request, budget: int, start: int | None = None) -> int:
         """Tokens to compute for `req` this step. A chunk that does not finish the prompt ends on a
         block boundary where it can, so the prefix cache can snapshot the state there."""
         start = req.num_computed if start is None else start
-        end = min(len(req.token_ids), start + budget)
-        if end < len(req.token_ids):
+        end = min(req.num_known, start + budget)
+        if end < req.num_known:
             aligned = end // self.cache.block_size * self.cache.block_size
             if aligned > start:
                 end = aligned
@@ -134,15 +166,17 @@ class Scheduler:
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The drafts to verify after a decode's token: no more than the budget, the tokens the request
         may still produce beyond this one, or positions left before max_model_len."""
-        left = min(req.params.max_tokens - (len(req.token_ids) - req.num_prompt),
-                   self.config.max_model_len - len(req.token_ids) + 1) - 1
+        left = min(req.params.max_tokens - (req.num_known - req.num_prompt),
+                   self.config.max_model_len - req.num_known + 1) - 1
         return req.draft_ids[:max(0, min(budget, left))]
 
     def _make_room(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Reserve state for `n` more tokens of `req`, preempting later arrivals; False if `req` itself
         had to go."""
         while not self.cache.reserve(req.handle, req.num_computed + n):
-            candidates = [r for r in self.running if r.request_id not in scheduled]
+            # not one whose state frees itself once its pending token is known (a prefill to push
+            # must keep its state until then); `req` itself is always a candidate
+            candidates = [r for r in self.running if r.request_id not in scheduled and not self._done_when_known(r)]
             victim = max(candidates, key=lambda r: r.arrival)
             self._preempt(victim)
             out.preempted.append(victim)
@@ -168,21 +202,20 @@ class Scheduler:
 
     # ---- update ------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        """Apply a step's results; one output per request that sampled a token (or finished)."""
+        """Apply a step's results; one output per request that sampled a token (or finished). A request
+        preempted while the step ran (async scheduling) still gets its token: it is recomputed with it."""
         outputs = []
         n = len(result.token_ids)
         sampled = iter(zip(result.token_ids, result.logprobs, result.accepted or [[]] * n, result.drafts or [[]] * n))
-        for chunk in out.chunks:
+        for chunk in (c for c in out.chunks if c.samples):
             req = chunk.request
-            if not chunk.samples:
-                req.num_computed += chunk.num_tokens
-                continue
             token, logprobs, accepted, drafts = next(sampled)
-            if req.finished:  # aborted while the step ran
+            req.num_pending -= 1
+            if req.finished:  # aborted, or finished by an earlier token, while the step ran
                 continue
-            # accepted drafts are in the state now, the token after them is not
-            req.num_computed += chunk.num_tokens + len(accepted)
-            req.draft_ids = drafts
+            if req.status is Status.RUNNING:  # accepted drafts are in the state now, the token after them is not
+                req.num_computed += len(accepted)
+                req.draft_ids = drafts
             outputs.append(self._append(req, [*accepted, (token, logprobs)]))
         return outputs
 
@@ -197,7 +230,7 @@ class Scheduler:
                 req.logprobs.append(logprobs)
                 new_logprobs.append(logprobs)
             if req.push_to is not None:  # prefill only: the decode rank takes it from here
-                self.running.remove(req)
+                self._queue(req).remove(req)
                 req.status, req.finish_reason = Status.FINISHED, "pushed"
                 self.pushed.append(req)
                 return RequestOutput(req.request_id, [token], "", True, "pushed", num_prompt_tokens=req.num_prompt,
@@ -215,7 +248,7 @@ class Scheduler:
             if reason is not None:
                 break
         if reason is not None:
-            self.running.remove(req)
+            self._queue(req).remove(req)
             self._finish(req, reason)
             if req.detokenizer is not None:
                 text += req.detokenizer.flush()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,6 +87,9 @@ class StateCache:
         self._blocks: dict[bytes, _Block] = {}
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refs == 1 (cache only), oldest first
         self._num_snapshots = 0
+        # called before this cache, or a caller outside the forward (`KVPort`), reads or writes a
+        # slot's state: with async scheduling, waits for the step in flight, which may still write it
+        self.fence: Callable[[], None] = lambda: None
 
     # ---- sizes -----------------------------------------------------------------------------------
     @property
@@ -132,6 +136,7 @@ class StateCache:
                     handle.pages.append(block.page)
                     self._evictable.pop(h, None)
                 snapshot = self._blocks[chain[best]].snapshot
+                self.fence()
                 self.state.copy_slot(snapshot, slot)
                 handle.block_hashes = chain[: best + 1]
                 handle.num_tokens = (best + 1) * self.block_size
@@ -168,14 +173,19 @@ class StateCache:
         handle.pages, handle.block_hashes, handle.num_tokens = [], [], 0
 
     # ---- prefix cache ------------------------------------------------------------------------------
-    def advance(self, handle: CacheHandle, num_tokens: int, token_ids: list[int]) -> None:
-        """`handle` ran `num_tokens` more tokens (its tokens so far: `token_ids`): count them and `commit`."""
+    def advance(self, handle: CacheHandle, num_tokens: int, token_ids: list[int],
+                copies: list[tuple[int, int]] | None = None) -> None:
+        """`handle` ran (or will have run) `num_tokens` more tokens (its tokens so far: `token_ids`):
+        count them and `commit`."""
         handle.num_tokens += num_tokens
-        self.commit(handle, token_ids)
+        self.commit(handle, token_ids, copies)
 
-    def commit(self, handle: CacheHandle, token_ids: list[int]) -> None:
-        """Register `handle`'s newly completed full blocks (`token_ids` = its tokens so far), and
-        snapshot its slot if it sits exactly on a block boundary."""
+    def commit(self, handle: CacheHandle, token_ids: list[int], copies: list[tuple[int, int]] | None = None) -> None:
+        """Register `handle`'s newly completed full blocks (`token_ids` = its tokens so far, at least
+        up to its last full block), and snapshot its slot if it sits exactly on a block boundary.
+        `copies`: when given, the snapshot is a (slot, snapshot slot) copy appended there, for the
+        caller to run once the state has reached the boundary (the forward that gets it there may
+        not have run yet)."""
         if not self.prefix_caching:
             return
         b = self.block_size
@@ -193,7 +203,10 @@ class StateCache:
                 self._evict_snapshot()  # the newest boundary is the likeliest to be resumed
             if block.snapshot is None and self._num_snapshots < self.max_snapshots and self._free_slots:
                 block.snapshot = self._free_slots.pop()
-                self.state.copy_slot(handle.slot, block.snapshot)
+                if copies is None:
+                    self.state.copy_slot(handle.slot, block.snapshot)
+                else:
+                    copies.append((handle.slot, block.snapshot))
                 self._num_snapshots += 1
                 self.stats.snapshots += 1
 
