@@ -5,7 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch; GPU users: `make test TORCH_SPEC='torch>=2.13'` (any newer CUDA build).
 TORCH_SPEC ?= torch==2.13.0
-PROMPT ?= The rack hums
+# the built-in model trained on Python source; "tiny" is the random one, or give a checkpoint directory
+MODEL ?= tiny-code
+PROMPT ?= def fibonacci(n):
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rackserve-installed
 
@@ -28,10 +30,10 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 serve: $(STAMP)
-	$(BIN)/rackserve serve $(if $(CONFIG),--config $(CONFIG))
+	$(BIN)/rackserve serve --model $(MODEL) $(if $(CONFIG),--config $(CONFIG))
 
 generate: $(STAMP)
-	$(BIN)/rackserve generate "$(PROMPT)"
+	$(BIN)/rackserve generate --model $(MODEL) "$(PROMPT)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

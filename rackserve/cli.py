@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text offline in this process (default: the tiny model)")
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--model", default="tiny", help='"tiny" (built in, made once and cached) or a checkpoint dir')
+    gen.add_argument("--model", default="tiny", help='"tiny" (built in, random weights), "tiny-code" (built in, '
+                     'trained on Python source) or a checkpoint dir')
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible endpoint (default: the tiny model on a local "
                                       "Ray: one prefill DEP2, one decode DEP2, one KV store, on 127.0.0.1:8000)")
     sv.add_argument("--config", help="a serve config, e.g. deploy/tiny-cpu.yaml (its rackserve: section)")
-    sv.add_argument("--model", help='"tiny" or a checkpoint directory (overrides the config)')
+    sv.add_argument("--model", help='"tiny", "tiny-code" or a checkpoint directory (overrides the config)')
     sv.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, help="port (default 8000)")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")

@@ -24,7 +24,7 @@ from rackserve.bench import targets, workload
 from rackserve.bench.drivers import HTTPDriver, PythonDriver, drive
 from rackserve.bench.metrics import Record, Summary, summarize
 from rackserve.bench.workload import Session
-from rackserve.models.deepseek_v4.tiny import ensure_tiny
+from rackserve.models import BUILT_IN, resolve
 from rackserve.models.tokenizer import Tokenizer
 
 WARMUP_REQUESTS = 4
@@ -132,14 +132,14 @@ async def sweep_config(config: str, spec: WorkloadSpec, concurrencies: list[int]
                        repeats: int = 1, api_key: str | None = None, tokenizer: str | None = None) -> list[Point]:
     """Every level of one configuration: started here through the Python API (on the connected Ray
     cluster, shut down at the end), or, with `url`, the server there, which runs `config` (its GPU
-    counts) and whose tokenizer is `tokenizer`'s (a checkpoint directory; default: the tiny model's
-    when `model` is "tiny")."""
+    counts) and whose tokenizer is `tokenizer`'s (a checkpoint directory; default: the built-in
+    model's when `model` is one)."""
     target_spec = targets.TargetSpec.parse(config)
     if url is None:
         target = targets.start(target_spec, model, engine=engine)
         driver = PythonDriver(target)
     else:
-        path = tokenizer or (ensure_tiny() if model == "tiny" else None)
+        path = tokenizer or (resolve(model) if model in BUILT_IN else None)
         driver = HTTPDriver(url, model, Tokenizer(path) if path else None, api_key)
     try:
         warmup = workload.fixed(WARMUP_REQUESTS, spec.isl, spec.osl, seed=zlib.crc32(f"{spec.seed}/warm-up".encode()))

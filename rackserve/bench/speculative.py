@@ -1,14 +1,18 @@
-"""Speculative decoding on the tiny checkpoint: tokens/s per user against drafts per step.
+"""Speculative decoding, on the random tiny checkpoint and on the trained `tiny-code`: tokens/s per
+user against drafts per step.
 
-    python -m rackserve.bench.speculative [--isl 32] [--osl 48] [--batches 1,8,64]
+    python -m rackserve.bench.speculative [--isl 32] [--osl 48] [--batches 1,8,64] [--models tiny,tiny-code]
 
-For each batch size, that many prompts of `--isl` tokens generate `--osl` greedy tokens (EOS
-ignored) together, with `speculative_tokens` k = 0 … 3. Drafts come from the model's MTP layer
-(random weights: it rarely agrees with the main model), or from an oracle that proposes the main
-model's own greedy continuation (every draft accepted): the ceiling of speculation, and with it
-the cost of verifying k+1 positions and keeping the MTP layer's state. Per-user tokens/s is
-`--osl` over the wall time of the run (prefill included), median of `--repeats` runs after one
-warm-up; all runs produce the same tokens. The machine may be shared and noisy: read ratios.
+For each model and batch size, that many prompts of `--isl` tokens generate `--osl` greedy tokens (EOS
+ignored) together, with `speculative_tokens` k = 0 … 3. Drafts come from the model's MTP layer. On
+`tiny` (random weights: the MTP layer rarely agrees with the main model) also from an oracle that
+proposes the main model's own greedy continuation (every draft accepted): the ceiling of
+speculation, and with it the cost of verifying k+1 positions and keeping the MTP layer's state.
+`tiny-code` (trained on the standard library's sources) runs on the first `--isl` tokens of
+held-out source files (`rackserve.models.code_corpus`), so its acceptance is what the trained MTP
+layer earns. Per-user tokens/s is `--osl` over the wall time of the run (prefill included), median
+of `--repeats` runs after one warm-up; all runs of a model produce the same tokens. The machine may
+be shared and noisy: read ratios.
 """
 
 from __future__ import annotations
@@ -20,8 +24,20 @@ import torch
 
 from rackserve.bench import script
 from rackserve.engine import LLM, SamplingParams
+from rackserve.models import resolve
+from rackserve.models.code_corpus import held_out_prompts
+from rackserve.models.tokenizer import Tokenizer
 
 KS = (0, 1, 2, 3)
+DRAFTS = {"tiny": ("mtp", "oracle"), "tiny-code": ("mtp",)}
+
+
+def _prompts(model: str, batch: int, isl: int, g: torch.Generator) -> list[list[int]]:
+    """`batch` prompts of `isl` tokens: random ids for the random model, held-out code for the trained one."""
+    if model == "tiny":
+        return torch.randint(2, 512, (batch, isl), generator=g).tolist()
+    tok = Tokenizer(resolve(model))
+    return [tok.encode(text)[:isl] for text in held_out_prompts(batch, chars=16 * isl)]
 
 
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
@@ -36,46 +52,50 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--osl", type=int, default=48)
     parser.add_argument("--batches", type=script.int_list, default="1,8,64")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration; the median is reported")
+    parser.add_argument("--models", default="tiny,tiny-code", help="comma-separated: tiny, tiny-code")
     args = parser.parse_args(argv)
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     rows = []
-    print(f"ISL {args.isl}, OSL {args.osl}, greedy; tiny model, fp32, {torch.get_num_threads()} CPU threads")
-    print(f"{'batch':>5} {'k':>2} {'draft':>7} {'seconds':>8} {'tok/s/user':>11} {'tok/s':>8} {'speedup':>8} "
-          f"{'accepted/step':>14}  acceptance per position")
-    for batch in args.batches:
-        prompts = torch.randint(2, 512, (batch, args.isl), generator=g).tolist()
-        engine_kwargs = dict(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 5),
-                             max_model_len=args.isl + args.osl + 8, prefix_caching=False)
-        expected: list[list[int]] = []
-        base = None
-        for k in KS:
-            for draft in (("mtp", "oracle") if k else ("-",)):
-                llm = LLM("tiny", speculative_tokens=k, **engine_kwargs)
-                if draft == "oracle":
-                    continuation = {tuple(p): out for p, out in zip(prompts, expected)}
+    print(f"ISL {args.isl}, OSL {args.osl}, greedy; fp32, {torch.get_num_threads()} CPU threads")
+    print(f"{'model':>9} {'batch':>5} {'k':>2} {'draft':>7} {'seconds':>8} {'tok/s/user':>11} {'tok/s':>8} "
+          f"{'speedup':>8} {'accepted/step':>14}  acceptance per position")
+    for model in args.models.split(","):
+        for batch in args.batches:
+            prompts = _prompts(model, batch, args.isl, g)
+            engine_kwargs = dict(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 5),
+                                 max_model_len=args.isl + args.osl + 8, prefix_caching=False)
+            expected: list[list[int]] = []
+            base = None
+            for k in KS:
+                for draft in (DRAFTS[model] if k else ("-",)):
+                    llm = LLM(model, speculative_tokens=k, **engine_kwargs)
+                    if draft == "oracle":
+                        continuation = {tuple(p): out for p, out in zip(prompts, expected)}
 
-                    def oracle(request, ids, continuation=continuation, k=k):
-                        done = len(ids) - request.num_prompt
-                        return continuation[tuple(request.prompt_ids)][done:done + k]
-                    llm.engine.speculator.oracle = oracle
-                _run(llm, prompts, params)  # warm-up
-                times, outputs = zip(*(_run(llm, prompts, params) for _ in range(args.repeats)))
-                seconds, outputs = statistics.median(times), outputs[0]
-                if k == 0:
-                    expected, base = outputs, seconds
-                elif outputs != expected:
-                    raise AssertionError(f"batch {batch}, k={k}, {draft} drafts: greedy output differs from k=0")
-                stats = llm.engine.stats()
-                rates = stats.get("spec_acceptance_rate", [])
-                row = {"batch": batch, "k": k, "draft": draft, "seconds": round(seconds, 3),
-                       "tok_s_user": round(args.osl / seconds, 1), "tok_s": round(batch * args.osl / seconds, 1),
-                       "speedup": round(base / seconds, 2),
-                       "mean_accepted": round(stats.get("spec_mean_accepted", 0), 3),
-                       "acceptance": [round(r, 3) for r in rates]}
-                rows.append(row)
-                print(f"{batch:>5} {k:>2} {draft:>7} {seconds:>8.2f} {row['tok_s_user']:>11.1f} {row['tok_s']:>8.1f} "
-                      f"{row['speedup']:>7.2f}x {row['mean_accepted']:>14.2f}  {row['acceptance']}")
+                        def oracle(request, ids, continuation=continuation, k=k):
+                            done = len(ids) - request.num_prompt
+                            return continuation[tuple(request.prompt_ids)][done:done + k]
+                        llm.engine.speculator.oracle = oracle
+                    _run(llm, prompts, params)  # warm-up
+                    times, outputs = zip(*(_run(llm, prompts, params) for _ in range(args.repeats)))
+                    seconds, outputs = statistics.median(times), outputs[0]
+                    if k == 0:
+                        expected, base = outputs, seconds
+                    elif outputs != expected:
+                        raise AssertionError(f"{model}, batch {batch}, k={k}, {draft} drafts: greedy output "
+                                             "differs from k=0")
+                    stats = llm.engine.stats()
+                    rates = stats.get("spec_acceptance_rate", [])
+                    row = {"model": model, "batch": batch, "k": k, "draft": draft, "seconds": round(seconds, 3),
+                           "tok_s_user": round(args.osl / seconds, 1), "tok_s": round(batch * args.osl / seconds, 1),
+                           "speedup": round(base / seconds, 2),
+                           "mean_accepted": round(stats.get("spec_mean_accepted", 0), 3),
+                           "acceptance": [round(r, 3) for r in rates]}
+                    rows.append(row)
+                    print(f"{model:>9} {batch:>5} {k:>2} {draft:>7} {seconds:>8.2f} {row['tok_s_user']:>11.1f} "
+                          f"{row['tok_s']:>8.1f} {row['speedup']:>7.2f}x {row['mean_accepted']:>14.2f}  "
+                          f"{row['acceptance']}")
     result = {"bench": "speculative", "isl": args.isl, "osl": args.osl, "rows": rows}
     return script.headline(result)
 

@@ -82,10 +82,22 @@ def load_model(path: str | Path, **kwargs) -> ServingModel:
     return family_of(read_config_json(path)).load(path, **kwargs)
 
 
+BUILT_IN = ("tiny", "tiny-code")  # model names `resolve` knows besides checkpoint directories
+
+
 def resolve(model: str | Path) -> Path:
-    """The checkpoint directory of `model`: "tiny" is the built-in tiny DeepSeek-V4 (made once, cached)."""
+    """The checkpoint directory of `model`: "tiny" is the built-in tiny DeepSeek-V4 with random weights
+    (made once, cached; for exactness tests), "tiny-code" the built-in one trained on Python source
+    (shipped in the package)."""
     if str(model) == "tiny":
         from rackserve.models.deepseek_v4.tiny import ensure_tiny
 
         return ensure_tiny()
+    if str(model) == "tiny-code":
+        from rackserve.models.deepseek_v4.tiny import CODE_DIR
+
+        if not (CODE_DIR / "model.safetensors").is_file():
+            raise FileNotFoundError(f"the built-in tiny-code checkpoint is missing from {CODE_DIR}; reinstall "
+                                    "rackserve, or make it with tools/train_tiny_code.py")
+        return CODE_DIR
     return Path(model)

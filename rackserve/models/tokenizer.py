@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
 
@@ -35,8 +36,9 @@ def forward(self, batch, state): return self.lm_head(self.norm(hidden))
 """
 
 
-def train_byte_bpe(vocab_size: int) -> HFTokenizer:
-    """A byte-level BPE of exactly `vocab_size` ids (3 special tokens first: bos=0, eos=1, pad=2)."""
+def train_byte_bpe(vocab_size: int, texts: Iterable[str] | None = None) -> HFTokenizer:
+    """A byte-level BPE of exactly `vocab_size` ids (3 special tokens first: bos=0, eos=1, pad=2),
+    trained on `texts` (default: a small built-in text)."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -46,7 +48,7 @@ def train_byte_bpe(vocab_size: int) -> HFTokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator([_CORPUS] * 4 if texts is None else texts, trainer=trainer)
     return tok
 
 

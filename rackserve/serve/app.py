@@ -33,7 +33,7 @@ from ray import serve
 from rackserve.actors.deployment_client import DeploymentClient
 from rackserve.actors.faults import InstanceError
 from rackserve.engine import RequestOutput
-from rackserve.models import resolve
+from rackserve.models import BUILT_IN, resolve
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.serve import protocol as api
 from rackserve.serve import responses
@@ -126,7 +126,8 @@ class OpenAIServer:
         self.plane = data_plane(self.config, serve.get_replica_context().app_name)  # waits until it is built
         info = ray.get(self.plane.info.remote())
         self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
-        path = resolve(self.config.model) if self.config.model == "tiny" else info["path"]  # made on this node
+        # a built-in model is at home on every node (the tiny one made there)
+        path = resolve(self.config.model) if self.config.model in BUILT_IN else info["path"]
         self.tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         self.deployment = DeploymentClient(RemoteDataPlane(self.plane), self.tokenizer, name="ingress")
         self.metrics = Metrics()

@@ -17,8 +17,8 @@ INGRESS_FIELDS = ("served_model_name", "host", "port", "ingress", "api_key", "ma
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """model: "tiny" (built in) or a checkpoint directory; served_model_name: the `model` clients
-    send (default: "tiny" or the checkpoint directory's name); prefill / decode: instance shapes
+    """model: "tiny" or "tiny-code" (built in) or a checkpoint directory; served_model_name: the `model`
+    clients send (default: the built-in name or the checkpoint directory's name); prefill / decode: instance shapes
     ("1xDEP2", "2xAFD2+2"); kv_stores: KV-store actors (a number), or with a topology their layout
     ("per_tray", "per_rack", "none"); engine: `EngineConfig` fields of every rank, prefill_engine /
     decode_engine: more of them for one role; decode_redundant_slots: extra expert slots per decode

@@ -56,6 +56,10 @@ TINY_CONFIG = {
 }
 
 
+# the built-in trained model (`model="tiny-code"`), shipped in the package; tools/train_tiny_code.py makes it
+CODE_DIR = Path(__file__).parent / "tiny_code"
+
+
 def default_cache_dir() -> Path:
     """Where `model="tiny"` lives: $RACKSERVE_CACHE or ~/.cache/rackserve."""
     root = os.environ.get("RACKSERVE_CACHE") or Path.home() / ".cache" / "rackserve"
