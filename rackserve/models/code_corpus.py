@@ -11,6 +11,8 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+from rackserve.models.tokenizer import Tokenizer
+
 HELD_OUT_EVERY = 20
 
 
@@ -27,8 +29,8 @@ def corpus() -> tuple[list[str], list[str], dict]:
     return train, held, info
 
 
-def token_stream(tok, texts: list[str]) -> list[int]:
-    """Every text as BOS + its tokens + EOS, concatenated (`tok`: a `rackserve.models.tokenizer.Tokenizer`)."""
+def token_stream(tok: Tokenizer, texts: list[str]) -> list[int]:
+    """Every text as BOS + its tokens + EOS, concatenated."""
     ids = []
     for text in texts:
         ids += [tok.bos_id, *tok.encode(text, add_bos=False), tok.eos_id]
