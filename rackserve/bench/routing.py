@@ -59,12 +59,9 @@ def routed_load(prompts: list[str], params: SamplingParams) -> tuple[np.ndarray,
 
 def live_eplb(prompts: list[str], params: SamplingParams, interval: int) -> list[list[float]]:
     """(before, after) balancedness of each EPLB re-placement of a DEP2 instance with 2 redundant slots."""
-    import ray
-
     from rackserve.actors.instance import Instance
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
+    with script.ray_cluster():
         inst = Instance("tiny-code", dep=2, redundant_slots=2,
                         engine_kwargs={"eplb_interval": interval, "max_num_seqs": 16, "max_num_batched_tokens": 512})
         try:
@@ -72,8 +69,6 @@ def live_eplb(prompts: list[str], params: SamplingParams, interval: int) -> list
             return inst.stats()["members"][0]["eplb_balancedness"]
         finally:
             inst.shutdown()
-    finally:
-        ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -217,8 +217,9 @@ class Runner:
         first_row = [0, *itertools.accumulate(1 + n for n in num_drafts)]
         sampling = self._sampling([part[i][0] for i in finishing], [first_row[i] for i in finishing])
         fill = None
-        pending = [(offset + j, previous.index[id(c.request)]) for (c, ids), offset in
-                   zip(part, itertools.accumulate([0, *lens])) for j, t in enumerate(ids) if t == PENDING]
+        pending = [] if previous is None else [  # only a step built while another is in flight has any
+            (offset + j, previous.index[id(c.request)]) for (c, ids), offset in
+            zip(part, itertools.accumulate([0, *lens])) for j, t in enumerate(ids) if t == PENDING]
         if pending:
             fill = tuple(torch.tensor(x, device=self.device) for x in zip(*pending))
         forward = _Forward(part, requests, num_drafts, shape, batch, lens, rows, speculative, finishing, sampling, fill)
