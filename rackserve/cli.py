@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--ingress", choices=("direct", "proxy"),
                     help="'direct': the replica serves HTTP itself (default when starting a local Ray); 'proxy': "
                          "through Serve's HTTP proxy (default with --address: the config's)")
+    sv.add_argument("--drain-timeout", type=float, metavar="SECONDS",
+                    help="on SIGTERM / Ctrl-C, let requests in progress finish for up to this long while new ones "
+                         "get 503, then end the rest (default: the config's drain_timeout_s, 30)")
     sv.set_defaults(func=_serve)
     _add_bench(sub)
     _add_check_gpu(sub)
@@ -218,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     import os
+    import signal
     import time
 
     import ray
@@ -225,14 +229,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     from rackserve.actors.cluster import WORKER_ENV
     from rackserve.serve import ingress
-    from rackserve.serve.app import build, delete
+    from rackserve.serve.app import build
     from rackserve.serve.config import ServeConfig
+    from rackserve.serve.drain import stop
 
     config = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
     # a cluster started here can serve directly (its environment is ours); a running one as it was started
     kind = args.ingress or ("direct" if args.address is None else None)
     overrides = {k: v for k, v in (("model", args.model), ("host", args.host), ("port", args.port),
-                                   ("api_key", args.api_key), ("ingress", kind)) if v is not None}
+                                   ("api_key", args.api_key), ("ingress", kind),
+                                   ("drain_timeout_s", args.drain_timeout)) if v is not None}
     config = ServeConfig.from_dict({**config.to_dict(), **overrides})
     if args.address is None:  # the cluster ray.init starts below inherits these
         os.environ.update(WORKER_ENV)
@@ -244,17 +250,21 @@ def _serve(args: argparse.Namespace) -> int:
           flush=True)
     serve.run(build(config.to_dict()), name="rackserve", route_prefix="/")
     ingress.wait_until_serving(url)
+    # SIGTERM (Kubernetes, systemd) and Ctrl-C drain the app; a second one skips the rest of the drain,
+    # and the exit is still 0, since the app, its data plane and Serve are stopped cleanly either way
+    signals: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: signals.append(signum))
     auth = f' -H "Authorization: Bearer {config.api_key}"' if config.api_key else ""
     example = json.dumps({"model": config.model_name, "prompt": "The rack hums", "max_tokens": 16, "temperature": 0})
     print(f"\nrackserve is serving {config.model_name!r} at {url}/v1 (OpenAI-compatible, {config.ingress} "
           f"ingress); try:\n\n  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{example}'\n\n"
-          "Ctrl-C stops it.", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        delete("rackserve")
-        serve.shutdown()
+          f"Ctrl-C or SIGTERM stops it, after the requests in progress (up to {config.drain_timeout_s:g} s; "
+          "a second one: at once).", flush=True)
+    while not signals:  # a sleep resumes after a signal's handler returns (PEP 475): short ones
+        time.sleep(0.2)
+    print(f"\n{signal.Signals(signals[0]).name}: stopping", flush=True)
+    stop("rackserve", config, hurry=lambda: len(signals) > 1, say=lambda line: print(line, flush=True))
     return 0
 
 

@@ -11,8 +11,9 @@ import msgpack
 import pytest
 
 from conftest import prompt
-from rackserve.engine import LLM, SamplingParams
+from rackserve.engine import LLM, Engine, SamplingParams
 from rackserve.engine.prefix_store import PrefixStore
+from rackserve.models import load_model
 from rackserve.transfer.local import LocalAgent
 from rackserve.transfer.messages import Freed, Pushed, Put, Release
 from test_disagg import WORK, assert_like_single_engine, pair, run, run_with_store, submit
@@ -76,3 +77,35 @@ def test_garbage_from_a_peer_is_logged_and_dropped_while_serving(tiny_checkpoint
     assert log.count(f"from {rogue.name!r}: a rank expects no such notification from it") == 3  # Put, Freed, Release
     assert log.count(f"from {rogue.name!r}: the KV store expects no such notification from it") == 3  # Release: unknown
     assert "no put of ours is at offset 999999" in log
+
+
+def test_a_restarted_decode_rank_gets_pushes_once_its_predecessor_is_forgotten(tiny_checkpoint):
+    """A decode rank dies while requests are being prefilled for it; its successor (a new agent) takes
+    over. The prefill side forgets the dead agent: the requests for it are dropped (not counted as
+    failed pushes: their decode rank lost them, their clients submit them again), the store frees the
+    dead writer's inbox, and pushes to the successor all arrive."""
+    prefill, dead = pair(tiny_checkpoint, LocalAgent)
+    store = PrefixStore(prefill.model.config, prefill.cache.block_size, local_agent("store"), memory_mb=16,
+                        inbox_bytes=1 << 20, dtype=prefill.model.dtype)
+    free = store.agent.bytes_free
+    dead.attach_store(store.agent.metadata(), store.add_writer(dead.kv.agent.metadata()))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, seed=1)
+    for rid, seed in (("running", 1), ("waiting", 2)):
+        submit(prefill, dead, rid, prompt(200, seed=seed), greedy)
+    prefill.step()  # 96 of the first prompt's 200 tokens: one prefilling, one waiting
+    assert {r.request_id for r in [*prefill.scheduler.running, *prefill.scheduler.waiting]} == {"running", "waiting"}
+    gone = dead.kv.agent.name
+    dead.kv.agent.close()
+    prefill.forget_peers([gone])
+    store.remove_writer(gone)
+    assert not prefill.has_unfinished() and prefill.cache.bytes_in_use == prefill.cache.bytes_cached
+    assert not prefill.kv.agent.knows(gone) and store.agent.bytes_free == free
+
+    successor = Engine(load_model(tiny_checkpoint), config=dead.config, kv=local_agent("successor"))
+    prefill.kv.agent.add_peer(successor.kv.agent.metadata())
+    work = {f"after{i}": (prompt(20 + 9 * i, seed=10 + i), greedy) for i in range(3)}
+    for rid, (ids, params) in work.items():
+        submit(prefill, successor, rid, ids, params)
+    got, _ = run(prefill, successor, work)
+    assert_like_single_engine(tiny_checkpoint, work, got)
+    assert prefill.stats()["kv_push_failures"] == 0 and successor.stats()["kv_loaded"] == len(work)

@@ -207,6 +207,23 @@ def test_transfers_to_a_gone_peer_fail_clearly(agents, transport):
         a.notify(name, b"x")
 
 
+def test_a_removed_peer_is_unknown_and_its_successor_is_reached(transport):
+    a, b, successor = (transport(unique(role), POOL) for role in ("a", "b", "successor"))
+    try:
+        name = a.add_peer(b.metadata())
+        finish(a.write(0, b.region(0, 64)), a, b)
+        a.remove_peer(name)  # b's process restarted: a successor of another name takes its place
+        a.remove_peer("never-known")  # ignored
+        with pytest.raises(TransferError, match=f"unknown peer {name!r}"):
+            a.write(0, b.region(0, 64))
+        a.add_peer(successor.metadata())
+        got = finish(a.write(0, successor.region(0, 64), notif=b"hello"), a, successor)
+        assert got + gather(successor, 1 - len(got), a) == [(a.name, b"hello")]
+    finally:
+        for agent in (a, b, successor):
+            agent.close()
+
+
 # ---- the in-process transport: what one process can show only there --------------------------------
 def test_local_transfers_move_when_an_end_progresses_and_fail_when_the_peer_closes():
     a, b = LocalAgent(unique("a"), POOL), LocalAgent(unique("b"), POOL)

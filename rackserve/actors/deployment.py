@@ -6,9 +6,11 @@
     dep.shutdown()
 
 The deployment *owns* the data plane: it creates the instances and KV stores, introduces their NIXL
-agents, restarts a failed gang (once, whoever finds it) and reconnects it, and gathers the ranks'
-load reports every `LOAD_PERIOD_S`. Requests go through a `DeploymentClient` (routing, the P/D path,
-streaming: see `rackserve.actors.deployment_client`): the deployment keeps one for its own Python API,
+agents, restarts a failed gang (once, whoever finds it: a client, or its own watcher, which looks
+every `WATCH_S`) and rewires it (the agents that knew the dead ranks forget them), replaces a dead
+KV store by an empty one, and gathers the ranks' load reports every `LOAD_PERIOD_S`. Requests go
+through a `DeploymentClient` (routing, the P/D path, streaming, replay: see
+`rackserve.actors.deployment_client`): the deployment keeps one for its own Python API,
 and any other process (an ingress replica) can make its own from `view()`, `members_of`,
 `gang_failed` and `loads`, which is what the serving data plane exposes (`rackserve.serve.controller`).
 Each decode rank writes prompt + answer back to its KV store when a request finishes, so the next
@@ -18,7 +20,7 @@ turn of a session prefills only its new text.
 from __future__ import annotations
 
 import functools
-import itertools
+import logging
 import secrets
 import threading
 import time
@@ -29,6 +31,7 @@ from pathlib import Path
 import ray
 
 from rackserve.actors.deployment_client import DeploymentClient
+from rackserve.actors.faults import GANG_ERRORS, member_name
 from rackserve.actors.instance import Instance
 from rackserve.actors.kv_store import KVStore
 from rackserve.config import ConfigError, EngineConfig
@@ -40,7 +43,10 @@ from rackserve.placement.planner import Plan
 from rackserve.placement.ray_groups import kv_store_options
 from rackserve.serve.router import RankKey
 
+log = logging.getLogger(__name__)
 LOAD_PERIOD_S = 0.2  # how often the owner gathers the ranks' load reports
+WATCH_S = 1.0  # how often the owner looks for dead KV stores and failed gangs (to replace them)
+STORE_PING_S = 5.0  # a store that answers no ping this long is busy, not dead: it is left alone
 
 
 # EngineConfig fields that fix the layout of the state bytes moved between ranks and stores
@@ -127,17 +133,20 @@ class Deployment:
                                                                  engine_kwargs=store_kwargs, name=f"kvstore{i}-{tag}")
 
         if plan is None:
+            self._store_options = [{}] * kv_stores
             makers = [(g.role, functools.partial(Instance, self.path, dep=g.size, expert_ranks=g.expert_ranks,
                                                  name=f"{g.role}{i}-{tag}", **common, **role_kwargs[g.role]))
                       for g in groups for i in range(g.count)]
-            self.stores = [new_store(i, {}) for i in range(kv_stores)]
+            self.stores = [new_store(i, options) for i, options in enumerate(self._store_options)]
         else:
             if not {"prefill", "decode"} <= {p.role for p in plan.instances}:
                 raise ConfigError("the plan needs at least one prefill and one decode instance")
             makers = [(p.role, functools.partial(Instance.from_plan, p, placement_groups[p.name], self.path,
                                                  bundle_resources, **common, **role_kwargs[p.role]))
                       for p in plan.instances]
-            self.stores = [new_store(i, kv_store_options(s, num_cpus=0)) for i, s in enumerate(plan.kv_stores)]
+            self._store_options = [kv_store_options(s, num_cpus=0) for s in plan.kv_stores]
+            self.stores = [new_store(i, options) for i, options in enumerate(self._store_options)]
+        self._new_store = new_store
         try:
             started = _start_together([make for _, make in makers])
         except BaseException:
@@ -147,14 +156,20 @@ class Deployment:
         self.decode, self.prefill = ([inst for (r, _), inst in zip(makers, started, strict=True) if r == role]
                                      for role in ("decode", "prefill"))
         self.dead_stores: set[int] = set()
+        self.stores_replaced = 0
         self._rank_store: dict[RankKey, int | None] = {}
+        self._agents: dict[RankKey, tuple[str, bytes]] = {}  # each DP rank's NIXL agent: (name, metadata)
+        self._store_agents: dict[int, tuple[str, bytes]] = {}  # each live KV store's
+        self._wiring = threading.RLock()  # one rewiring at a time (restarts and store replacements)
         self._loads: dict[RankKey, dict] = {}
         self._closed = False
         self._connect()
         for inst in self.prefill + self.decode:
-            inst.on_restart = lambda _: self._connect()
-        self._loads_thread = threading.Thread(target=self._gather_loads, daemon=True, name=f"loads-{tag}")
-        self._loads_thread.start()
+            inst.on_restart = self._connect
+        self._threads = [threading.Thread(target=self._gather_loads, daemon=True, name=f"loads-{tag}"),
+                         threading.Thread(target=self._watch, daemon=True, name=f"watch-{tag}")]
+        for thread in self._threads:
+            thread.start()
         self.client = DeploymentClient(self, self.tokenizer, name=f"dep-{tag}")
 
     # ---- wiring --------------------------------------------------------------------------------------
@@ -163,27 +178,87 @@ class Deployment:
         live = [i for i in range(len(self.stores)) if i not in self.dead_stores]
         return live[index % len(live)] if live else None
 
-    def _connect(self) -> None:
-        """Introduce every rank's agent to the agents it talks to: prefill ranks to every decode rank
-        and KV store; every rank to its KV store, with an inbox there."""
-        store_meta = {}
-        for i, store in enumerate(self.stores):
-            try:
-                store_meta[i] = ray.get(store.metadata.remote())
-            except ray.exceptions.RayActorError:
-                self.dead_stores.add(i)
-        decode_meta = [m for inst in self.decode for m in inst.kv_metadata()]
-        index = itertools.count()
-        for role, insts in (("decode", self.decode), ("prefill", self.prefill)):
-            for inst in insts:
-                links = []
-                for rank, meta in enumerate(inst.kv_metadata()):
-                    k = self._store_of(next(index))
-                    inbox = self._call_store(k, "add_writer", meta) if k is not None else None
-                    links.append((store_meta[k], inbox) if inbox is not None else None)
-                    self._rank_store[(inst.name, rank)] = k if inbox is not None else None
-                peers = list(store_meta.values()) + (decode_meta if role == "prefill" else [])
-                inst.kv_connect(peers, links)
+    def _connect(self, restarted: Instance | None = None) -> None:
+        """Introduce the ranks' agents to the agents they talk to: prefill ranks to every decode rank
+        and KV store, every rank to its KV store (with an inbox there). At start, every rank. After the
+        gang of `restarted` was replaced: its fresh ranks as at start, while whoever knew its old agents
+        (the KV stores; the prefill ranks, for a decode instance) forgets them and learns the new ones,
+        so that no NIXL connection, store inbox or peer entry of a dead process is left behind."""
+        with self._wiring:
+            self._refresh_store_agents()
+            fresh = [restarted] if restarted is not None else self.prefill + self.decode
+            gone = [self._agents.pop((restarted.name, r))[0] for r in range(restarted.dep)
+                    if (restarted.name, r) in self._agents] if restarted is not None else []
+            for inst in fresh:
+                for rank, agent in enumerate(inst.kv_metadata()):
+                    self._agents[(inst.name, rank)] = agent
+            if gone:
+                for k in list(self._store_agents):
+                    self._call_store(k, "remove_writers", gone)
+            stores = [meta for _, meta in self._store_agents.values()]
+            for inst in fresh:
+                links = [self._link((inst.name, rank)) for rank in range(inst.dep)]
+                inst.kv_connect(stores + (self._decode_agents() if inst in self.prefill else []), links)
+            if restarted is not None and restarted in self.decode:
+                new = [self._agents[(restarted.name, r)][1] for r in range(restarted.dep)]
+                for inst in self.prefill:
+                    try:
+                        inst.kv_connect(new, forget=gone)
+                    except GANG_ERRORS:  # a failed prefill gang: its own restart wires it to every decode rank
+                        log.warning("prefill instance %r did not learn the restarted %r", inst.name, restarted.name)
+
+    def _decode_agents(self) -> list[bytes]:
+        return [meta for (name, _), (_, meta) in self._agents.items() if name in {i.name for i in self.decode}]
+
+    def _refresh_store_agents(self) -> None:
+        """Learn the agents of the KV stores not yet known; a store found dead is counted so (call under `_wiring`)."""
+        for k, store in enumerate(self.stores):
+            if k not in self._store_agents and k not in self.dead_stores:
+                try:
+                    self._store_agents[k] = tuple(ray.get(store.metadata.remote()))
+                except ray.exceptions.RayActorError:
+                    self.dead_stores.add(k)
+
+    def _link(self, key: RankKey) -> tuple[bytes, list] | None:
+        """The KV store DP rank `key` writes to (the one it had, while it lives; else round robin over
+        the live stores) as (its metadata, the rank's inbox there), recorded in `_rank_store`; None
+        without a live store (call under `_wiring`)."""
+        k = self._rank_store.get(key)
+        if k is None or k in self.dead_stores:
+            keys = [(i.name, r) for i in self.decode + self.prefill for r in range(i.dep)]
+            k = self._store_of(keys.index(key))
+        inbox = self._call_store(k, "add_writer", self._agents[key][1]) if k is not None else None
+        self._rank_store[key] = k if inbox is not None else None
+        return (self._store_agents[k][1], inbox) if inbox is not None else None
+
+    def replace_dead_stores(self) -> list[int]:
+        """Replace every KV store that died by a fresh, empty one (same place, same index), and attach
+        to it the ranks that wrote to it; every rank forgets the dead store's agent and learns the new
+        one. Its cached prefixes are lost, never requests. The indices replaced."""
+        with self._wiring:
+            for k, store in enumerate(self.stores):
+                if k not in self.dead_stores:
+                    try:
+                        ray.get(store.ping.remote(), timeout=STORE_PING_S)
+                    except ray.exceptions.RayActorError:
+                        self.dead_stores.add(k)
+                    except ray.exceptions.GetTimeoutError:
+                        pass  # busy, not dead: a store is only a cache, let it be
+            replaced = sorted(self.dead_stores)
+            for k in replaced:
+                ray.kill(self.stores[k])
+                self.stores[k] = self._new_store(k, self._store_options[k])
+                gone = self._store_agents.pop(k, None)
+                self.dead_stores.discard(k)
+                self._refresh_store_agents()
+                if k not in self._store_agents:  # the replacement did not start either: try again later
+                    continue
+                self.stores_replaced += 1
+                for inst in self.prefill + self.decode:
+                    links = [self._link((inst.name, r)) if self._rank_store.get((inst.name, r)) in (k, None) else None
+                             for r in range(inst.dep)]
+                    inst.kv_connect([self._store_agents[k][1]], links, forget=[gone[0]] if gone else [])
+            return replaced
 
     def _call_store(self, k: int, method: str, *args):
         """A KV store call; None (and the store counted dead) if the store is gone."""
@@ -232,6 +307,43 @@ class Deployment:
             self._loads = loads
             time.sleep(LOAD_PERIOD_S)
 
+    @property
+    def closed(self) -> bool:
+        """Whether `shutdown` was called."""
+        return self._closed
+
+    def _watch(self) -> None:
+        """Every `WATCH_S`: replace dead KV stores, and restart the gangs found failed (at once: an idle
+        instance's failure would otherwise wait for its next request)."""
+        while not self._closed:
+            time.sleep(WATCH_S)
+            try:
+                self.replace_dead_stores()
+                self.restart_failed_gangs()
+            except Exception:  # noqa: BLE001 - e.g. a rank restarting meanwhile (its restart rewires it): again later
+                log.exception("mending the deployment failed; trying again in %.0f s", WATCH_S)
+
+    def restart_failed_gangs(self) -> list[str]:
+        """Restart every gang with a member that died or whose step loop failed (a peer lost); a member
+        that is only slow to answer is left to the gang's own timeout. The instances restarted."""
+        restarted = []
+        for inst in self.prefill + self.decode:
+            if inst.restarting or self._closed:
+                continue
+            generation, members = inst.members_of()
+            refs = [m.ping.remote() for m in members]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STORE_PING_S)
+            for i, ref in enumerate(refs):
+                try:
+                    error = ray.get(ref)["error"] if ref in ready else None
+                except ray.exceptions.RayActorError:
+                    error = f"{member_name(i, inst.dep)} died"
+                if error:
+                    inst.gang_failed(inst.name, generation, error)
+                    restarted.append(inst.name)
+                    break
+        return restarted
+
     # ---- requests (through the deployment's own client) -----------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, session: str | None = None) -> str:
         """See `DeploymentClient.submit`."""
@@ -258,9 +370,10 @@ class Deployment:
 
     def shutdown(self) -> None:
         self._closed = True
-        # the load thread must be out of Ray before we return: a driver that disconnects from Ray while a
+        # the threads must be out of Ray before we return: a driver that disconnects from Ray while a
         # thread of it is inside a Ray call exits the process ("core worker has already been shutdown")
-        self._loads_thread.join()
+        for thread in self._threads:
+            thread.join()
         self.client.close()
         for inst in self.prefill + self.decode:
             inst.shutdown()

@@ -13,8 +13,16 @@ and KV stores and keeps them alive; a client, one per process that takes request
 3. the decode rank streams every token to this client's output pump for it, straight from the rank.
 
 Anything failing on the way (a transfer, a prefill instance, a KV store) costs recomputation on the
-decode rank, not the request; a decode gang that fails ends its requests with an `InstanceError` and
-is restarted by its owner. What the client holds per request lives only while the request runs.
+decode rank, not the request. A decode gang that fails is restarted by its owner, and its requests
+are *replayed*: each is submitted again with its prompt followed by the tokens already streamed as
+the new prompt (and that many fewer tokens to generate), on whichever decode rank the router picks,
+and its stream goes on from there; the caller sees a pause, not an error. A greedy request's
+output is the one an undisturbed run gives (the replayed prompt is prefilled instead of decoded,
+which changes only the floats' summation order); a seeded sampled one goes on with other random
+draws (its sampler's counter restarts). Text held back at the failure for a possible stop string
+is sent on, but a stop string that straddles the failure point is not recognised. A request that
+cannot be replayed within `REPLAY_S` of its failure ends with an `InstanceError` saying so. What the
+client holds per request lives only while the request runs.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import ray
@@ -32,10 +40,14 @@ import ray
 from rackserve.actors.faults import InstanceError
 from rackserve.actors.instance_client import GangOwner, InstanceClient
 from rackserve.engine import Completion, RequestOutput, SamplingParams
+from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.serve.router import RankKey, Router
 
 LOAD_REFRESH_S = 0.25  # how often a client takes the ranks' reported loads from the owner
+REPLAY_S = 60.0  # how long a request whose decode gang failed is tried again before it ends with an error
+REPLAY_RETRY_S = 1.0  # between two attempts to replay a request
+STORE_RETRY_S = 1.0  # a KV store found dead is asked for the owner's replacement after this long
 
 
 class DeploymentOwner(GangOwner, Protocol):
@@ -49,8 +61,36 @@ class DeploymentOwner(GangOwner, Protocol):
 
 @dataclass
 class _Route:
-    decode: RankKey
+    """Where a request runs, and what replaying it takes: its prompt, parameters and session, the
+    tokens streamed so far and the characters of text sent."""
+
+    request_id: str
+    decode: RankKey | None
     prefill: RankKey | None  # None: the decode rank prefills it
+    ids: list[int]
+    params: SamplingParams
+    session: str | None
+    tokens: list[int] = field(default_factory=list)
+    sent: int = 0  # characters of text streamed
+    replays: int = 0  # attempts to replay it so far
+    offset: int = 0  # output tokens generated before the latest replay
+    held: str = ""  # text held back at the failure, sent with the replay's first output
+
+    @property
+    def engine_id(self) -> str:
+        """The id its ranks know it by: each replay runs under a new one (the old may linger on a rank)."""
+        return f"{self.request_id}~{self.replays}" if self.replays else self.request_id
+
+    def renumber(self, out: RequestOutput) -> RequestOutput:
+        """An output as the request's own: its id, counts and text as if it had never stopped."""
+        if self.replays:
+            out = replace(out, request_id=self.request_id, new_text=self.held + out.new_text,
+                          num_prompt_tokens=len(self.ids), num_cached_tokens=min(out.num_cached_tokens, len(self.ids)),
+                          num_output_tokens=out.num_output_tokens + self.offset)
+            self.held = ""
+        self.tokens += out.new_token_ids
+        self.sent += len(out.new_text)
+        return out
 
 
 class DeploymentClient:
@@ -65,10 +105,11 @@ class DeploymentClient:
         self.prefill = {n: InstanceClient(n, dep, owner, shape, consumer=f"{self.name}-{n}")
                         for n, dep, shape in view["prefill"]}
         self.stores, self.rank_store = view["stores"], view["rank_store"]
-        self.dead_stores: set[int] = set()
+        self.dead_stores: dict[int, float] = {}  # store index -> when found dead (time.monotonic())
         self.router = Router([(n, r) for n, c in self.decode.items() for r in range(c.dep)],
                              [(n, r) for n, c in self.prefill.items() for r in range(c.dep)])
         self._routes: dict[str, _Route] = {}  # requests in flight from this client
+        self.replayed = 0  # requests replayed after their decode gang failed, so far
         self._lock = threading.Lock()  # the router and the routes; never held across a call
         self._closed = False
         self._refresh_loads()
@@ -90,14 +131,20 @@ class DeploymentClient:
 
     # ---- KV stores -----------------------------------------------------------------------------------
     def _lookup(self, decode_at: RankKey, ids: list[int]):
-        """The longest cached prefix of `ids` in the KV store `decode_at` writes to, if any."""
+        """The longest cached prefix of `ids` in the KV store `decode_at` writes to, if any. A store
+        found dead is skipped for `STORE_RETRY_S`, then its owner's replacement is taken."""
         k = self.rank_store.get(decode_at)
+        if k is not None and k in self.dead_stores and time.monotonic() - self.dead_stores[k] > STORE_RETRY_S:
+            view = self.owner.view()
+            self.stores, self.rank_store = view["stores"], view["rank_store"]
+            del self.dead_stores[k]
+            k = self.rank_store.get(decode_at)
         if k is None or k in self.dead_stores:
             return None
         try:
             return ray.get(self.stores[k].lookup.remote(ids))
         except ray.exceptions.RayActorError:
-            self.dead_stores.add(k)
+            self.dead_stores[k] = time.monotonic()
             return None
 
     # ---- requests --------------------------------------------------------------------------------------
@@ -109,27 +156,69 @@ class DeploymentClient:
             params = replace(params, seed=secrets.randbits(63))
         ids = self._token_ids(prompt)
         request_id = f"{self.name}-{secrets.token_hex(5)}"
+        route = _Route(request_id, None, None, ids, params, session)
         with self._lock:
-            decode_at = self.router.decode_rank(session, len(ids) + params.max_tokens)
-            route = self._routes[request_id] = _Route(decode_at, None)
+            self._routes[request_id] = route
         try:
-            _, reservation = self.decode[decode_at[0]].reserve(ids, params, request_id, rank=decode_at[1])
+            self._place(route, ids, params)
         except BaseException:
             with self._lock:
                 self._routes.pop(request_id, None)
             raise
+        return request_id
+
+    def _place(self, route: _Route, ids: list[int], params: SamplingParams) -> None:
+        """Reserve a decode rank for `route`'s request (prompt `ids`) and have a prefill rank push it there."""
+        with self._lock:
+            decode_at = route.decode = self.router.decode_rank(route.session, len(ids) + params.max_tokens)
+            route.prefill = None
+        _, reservation = self.decode[decode_at[0]].reserve(ids, params, route.engine_id, rank=decode_at[1])
         if reservation is not None and self.prefill:
             hit = self._lookup(decode_at, ids)
             with self._lock:  # chosen once it is known to be needed, for what it will prefill
-                prefill_at = route.prefill = self.router.prefill_rank(session, len(ids) - (hit[0] if hit else 0))
+                prefill_at = route.prefill = self.router.prefill_rank(route.session, len(ids) - (hit[0] if hit else 0))
             # a prefill instance found dead here restarts and takes it; if it cannot, the decode
             # rank's reservation expires and it prefills the request itself
             try:
-                self.prefill[prefill_at[0]].submit(ids, params, request_id, rank=prefill_at[1], push_to=reservation,
-                                                   cached=hit)
+                self.prefill[prefill_at[0]].submit(ids, params, route.engine_id, rank=prefill_at[1],
+                                                   push_to=reservation, cached=hit)
             except InstanceError:
                 pass
-        return request_id
+
+    def _replay(self, route: _Route, error: InstanceError) -> RequestOutput | None:
+        """Submit `route`'s request again after its decode gang failed with `error`: its prompt and the
+        tokens streamed so far as the prompt, the tokens left to generate. Tries for `REPLAY_S`, then
+        raises an `InstanceError` saying so. A request that had nothing left to generate gets its
+        last output (finished) instead."""
+        if self._closed:  # the deployment is stopping: nothing to replay on
+            raise error
+        left = route.params.max_tokens - len(route.tokens)
+        if left <= 0:
+            return RequestOutput(route.request_id, [], "", True, "length", num_prompt_tokens=len(route.ids),
+                                 num_output_tokens=len(route.tokens))
+        route.held = self._held_text(route)
+        route.offset, route.replays = len(route.tokens), route.replays + 1  # a new engine id
+        self.replayed += 1
+        params, ids = replace(route.params, max_tokens=left), route.ids + route.tokens
+        deadline = time.monotonic() + REPLAY_S
+        while True:
+            try:
+                self._place(route, ids, params)
+                return None
+            except InstanceError as e:
+                if time.monotonic() + REPLAY_RETRY_S > deadline or self._closed:
+                    raise InstanceError(f"{error}; replaying it (prompt + the {len(route.tokens)} tokens "
+                                        f"streamed) failed for {REPLAY_S:.0f} s: {e}") from None
+                route.replays += 1
+                time.sleep(REPLAY_RETRY_S)
+
+    def _held_text(self, route: _Route) -> str:
+        """Text of the tokens streamed so far that was not sent yet (held back for a stop string)."""
+        if self.tokenizer is None or not route.tokens:
+            return ""
+        detok = IncrementalDetokenizer(self.tokenizer, route.ids, skip_special_tokens=route.params.skip_special_tokens)
+        text = detok.add(route.tokens) + detok.flush()
+        return text[route.sent:]
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
@@ -139,13 +228,20 @@ class DeploymentClient:
         return self.tokenizer.encode(prompt)
 
     def stream(self, request_id: str) -> Iterator[RequestOutput]:
-        """The request's outputs from its decode rank (see `InstanceClient.stream`); closing the
-        stream early aborts the request and frees its state."""
+        """The request's outputs from its decode rank (see `InstanceClient.stream`), replayed if its
+        decode gang fails; closing the stream early aborts the request and frees its state."""
         route, finished = self._routes[request_id], False
         try:
-            for out in self.decode[route.decode[0]].stream(request_id):
-                finished = out.finished
-                yield out
+            while not finished:
+                try:
+                    for out in self.decode[route.decode[0]].stream(route.engine_id):
+                        finished = out.finished
+                        yield route.renumber(out)
+                except InstanceError as e:
+                    last = self._replay(route, e)
+                    if last is not None:
+                        finished = True
+                        yield last
         finally:
             self._end(request_id, finished)
 
@@ -153,9 +249,16 @@ class DeploymentClient:
         """`stream` for asyncio callers (the HTTP server)."""
         route, finished = self._routes[request_id], False
         try:
-            async for out in self.decode[route.decode[0]].astream(request_id):
-                finished = out.finished
-                yield out
+            while not finished:
+                try:
+                    async for out in self.decode[route.decode[0]].astream(route.engine_id):
+                        finished = out.finished
+                        yield route.renumber(out)
+                except InstanceError as e:
+                    last = await asyncio.to_thread(self._replay, route, e)
+                    if last is not None:
+                        finished = True
+                        yield last
         finally:  # not awaited: under a cancelled task (a client gone) an await here would not run
             asyncio.get_running_loop().run_in_executor(None, self._end, request_id, finished)
 
@@ -163,9 +266,9 @@ class DeploymentClient:
         with self._lock:
             route = self._routes.pop(request_id)
         if not finished:  # the caller went away: stop it on both sides and free its state
-            self.decode[route.decode[0]].abort(request_id, rank=route.decode[1])
+            self.decode[route.decode[0]].abort(route.engine_id, rank=route.decode[1])
             if route.prefill is not None:
-                self.prefill[route.prefill[0]].abort(request_id, rank=route.prefill[1])
+                self.prefill[route.prefill[0]].abort(route.engine_id, rank=route.prefill[1])
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  sessions: list[str | None] | None = None) -> list[Completion]:

@@ -71,9 +71,10 @@ class DPRank(GangMember):
         self._polled: dict[str, float] = {}  # consumer -> when it last polled (time.monotonic())
         self._load = {"requests": 0, "tokens": 0, "prefill_tokens": 0}
 
-    def setup(self, spec: GangSpec) -> None:
-        """Join the gang, load the model with this rank's expert slots, start the step loop."""
-        model, config = self._join(spec)
+    def setup(self, spec: GangSpec, members: list) -> None:
+        """Join the gang (`members`: every member's handle, in rank order), load the model with this
+        rank's expert slots, start the step loop."""
+        model, config = self._join(spec, members)
         tokenizer = Tokenizer(spec.checkpoint) if (Path(spec.checkpoint) / "tokenizer.json").is_file() else None
         agent = None
         if spec.kv_name:
@@ -82,8 +83,9 @@ class DPRank(GangMember):
         self._start()
 
     # ---- disaggregated prefill/decode: everything touching the engine runs in the step loop ---------
-    def kv_metadata(self) -> bytes:
-        return self.engine.kv.agent.metadata()
+    def kv_metadata(self) -> tuple[str, bytes]:
+        """(this rank's NIXL agent's name, its metadata)."""
+        return self.engine.kv.agent.name, self.engine.kv.agent.metadata()
 
     def kv_connect(self, peers: list[bytes], store: tuple[bytes, list] | None = None) -> None:
         """Learn peer agents (decode ranks to push to, KV stores to read from) and attach the KV store
@@ -96,6 +98,10 @@ class DPRank(GangMember):
                 engine.attach_store(store[0], RemoteRegion.from_wire(store[1]))
 
         self._call(connect)
+
+    def kv_forget(self, peers: list[str]) -> None:
+        """Forget the agents `peers`, which are gone (see `Engine.forget_peers`)."""
+        self._call(lambda engine: engine.forget_peers(peers))
 
     def reserve(self, request_id: str, prompt: str | list[int], params: dict, consumer: str = "") -> list | None:
         """Decode side: a reservation for a request another rank prefills (wire form), or None when
@@ -214,6 +220,8 @@ class DPRank(GangMember):
     def _drain_inbox(self) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []
+        if inbox:
+            self._wake_others()
         for item in inbox:
             if isinstance(item, AddRequest):
                 self._add(item)

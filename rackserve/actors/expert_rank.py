@@ -9,8 +9,8 @@ from rackserve.engine.expert_worker import ExpertWorker
 class ExpertRank(GangMember):
     role = "expert rank"
 
-    def setup(self, spec: GangSpec) -> None:
-        model, config = self._join(spec)
+    def setup(self, spec: GangSpec, members: list) -> None:
+        model, config = self._join(spec, members)
         # attention weights are dropped
         self.worker = ExpertWorker(model.moe_layers, self.gang, config, model.draft_moe_layers)
         self._start()

@@ -3,9 +3,13 @@
 A gang member joins the expert-parallel process group (Gloo on CPU, NCCL on CUDA) and the host
 collective (`rackserve.collective`), loads the model with its share of the expert slots, and runs
 `_step` in a background thread. Idle protocol: when a step's host sync shows no member with work,
-every member blocks until woken; `Instance` wakes every member whenever it submits to any, so all
-members resume together. A failed step (a dead or silent peer) ends the loop and is kept in
-`error` for the callers.
+every member blocks until woken. A member that takes in work (a request, an abort, a call on its
+engine) in the first step after such an idle sync wakes every other member itself (`nudge`), so
+that all of them meet it at that step's host sync: a wake from the submitting client alone can be
+spent on a sync the member with the work made just *before* taking it in, leaving that member
+waiting at its next sync for a peer that went back to sleep (a stall until the next request or
+the gang's timeout). A failed step (a dead or silent peer) ends the loop and is kept in `error`
+for the callers.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class GangMember:
         self.error: str | None = None
         self.gang = None
         self._store: dist.TCPStore | None = None
+        self._others: list = []  # the other members' handles, to wake them
+        self._gang_idle = True  # the last host sync found no member with work: the others may be asleep
 
     def endpoint(self, timeout: float) -> tuple[str, int]:
         """Start the expert-parallel process group's rendezvous here (rank 0 does): a TCP store on a
@@ -74,8 +80,10 @@ class GangMember:
                                     wait_for_workers=False)
         return host, self._store.port
 
-    def _join(self, spec: GangSpec) -> tuple[ServingModel, EngineConfig]:
-        """Join both groups; load the model holding (and reading) only this rank's expert slots."""
+    def _join(self, spec: GangSpec, members: list) -> tuple[ServingModel, EngineConfig]:
+        """Join both groups; load the model holding (and reading) only this rank's expert slots.
+        `members`: every member's handle, in rank order."""
+        self._others = [m for i, m in enumerate(members) if i != self.rank]
         config = EngineConfig(**spec.engine_kwargs)
         timeout = timedelta(seconds=spec.timeout)
         store = self._store or dist.TCPStore(*spec.store_at, self.world_size, is_master=False, timeout=timeout)
@@ -95,6 +103,18 @@ class GangMember:
         if self.error:
             raise RuntimeError(self.error)
         self._wake.set()
+
+    def nudge(self) -> None:
+        """Step again if asleep (a peer took in work); never raises, unlike `wake`."""
+        self._wake.set()
+
+    def _wake_others(self) -> None:
+        """Make every other member step (call when taking in work): none may be left asleep while
+        this one waits for it at the next host sync. Only after an idle sync: while the gang is busy
+        every member steps anyway."""
+        if self._gang_idle:
+            for member in self._others:
+                member.nudge.remote()
 
     def ping(self) -> dict:
         """Liveness and where this member runs: role, rank, pid, node labels, CPU seconds used."""
@@ -121,7 +141,8 @@ class GangMember:
     def _loop(self) -> None:
         try:
             while not self._stop:
-                if not self._step():  # no member had work: sleep until someone submits
+                self._gang_idle = not self._step()
+                if self._gang_idle:  # no member had work: sleep until someone submits
                     self._wake.wait()
                     self._wake.clear()
         except Exception as e:  # a dead peer or transport error: fail the waiting callers clearly

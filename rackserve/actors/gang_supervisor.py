@@ -44,6 +44,8 @@ class GangSupervisor:
         self._failures: dict[int, str] = {}  # gang generation -> why it failed
         self.generation = -1
         self.members: list = []
+        self.stopped = False  # shut down: a failure found afterwards restarts nothing
+        self.restarting = False  # a restart is under way
         self._start()
 
     def current(self) -> tuple[int, list]:
@@ -60,20 +62,27 @@ class GangSupervisor:
         """Record why gang `generation` failed (naming the members at fault, else `cause`) and restart
         it, once however many threads or clients find it failed; returns the reason."""
         with self._lock:
-            if generation == self.generation:
+            if generation == self.generation and not self.stopped:
                 detail = diagnose(self.members, self.dep) or (
                     cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}")
                 self._failures[generation] = f"{self.label} failed: {detail}"
-                self._kill()
-                self._start()
-                if self._on_restart is not None:
-                    self._on_restart()
+                self.restarting = True
+                try:
+                    self._kill()
+                    self._start()
+                    if self._on_restart is not None:
+                        self._on_restart()
+                finally:
+                    self.restarting = False
+            if self.stopped:
+                return f"{self.label} was shut down"
             return self._failures.get(generation, f"{self.label} restarted its gang")
 
     def shutdown(self) -> int:
         """Stop every member (one that already died is skipped) and release them, after any restart
         in progress; the generation that was stopped."""
         with self._lock:
+            self.stopped = True
             for member in self.members:
                 try:
                     ray.get(member.shutdown.remote())
@@ -91,7 +100,7 @@ class GangSupervisor:
         try:
             store_at = ray.get(self.members[0].endpoint.remote(self.timeout))
             spec = self._spec(tuple(store_at), self._server.address, secret)
-            ray.get([m.setup.remote(spec) for m in self.members])
+            ray.get([m.setup.remote(spec, self.members) for m in self.members])
         except BaseException:
             self._kill()  # a gang that did not start holds no actors (nor their resources) either
             raise

@@ -114,6 +114,11 @@ class Instance:
         return self._gang.generation
 
     @property
+    def restarting(self) -> bool:
+        """Whether its gang is being replaced right now."""
+        return self._gang.restarting
+
+    @property
     def members(self) -> list:
         """The current gang's member handles: DP ranks, then expert ranks."""
         return self._gang.members
@@ -166,14 +171,19 @@ class Instance:
         """The checkpoint's tokenizer (None without tokenizer.json), loaded when `generate` first needs it."""
         return Tokenizer(self.path) if (Path(self.path) / "tokenizer.json").is_file() else None
 
-    def kv_metadata(self) -> list[bytes]:
-        """The NIXL agent metadata of every DP rank (an instance made with `kv=True`)."""
+    def kv_metadata(self) -> list[tuple[str, bytes]]:
+        """(NIXL agent name, metadata) of every DP rank (an instance made with `kv=True`)."""
         return ray.get([m.kv_metadata.remote() for m in self.members[:self.dep]])
 
-    def kv_connect(self, peers: list[bytes], stores: list[tuple[bytes, list] | None] | None = None) -> None:
-        """Every DP rank learns `peers`; DP rank i writes prefixes to `stores[i]` (metadata, inbox)."""
+    def kv_connect(self, peers: list[bytes], stores: list[tuple[bytes, list] | None] | None = None,
+                   forget: list[str] = ()) -> None:
+        """Every DP rank forgets the agents `forget` (gone) and learns `peers`; DP rank i writes
+        prefixes to `stores[i]` (metadata, inbox), if given."""
         stores = stores or [None] * self.dep
-        ray.get([m.kv_connect.remote(peers, store) for m, store in zip(self.members[:self.dep], stores, strict=True)])
+        members = self.members[:self.dep]
+        if forget:
+            ray.get([m.kv_forget.remote(list(forget)) for m in members])
+        ray.get([m.kv_connect.remote(peers, store) for m, store in zip(members, stores, strict=True)])
 
     def stats(self) -> dict:
         """The instance's shape, gang restarts so far, and every member's counters."""

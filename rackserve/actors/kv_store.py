@@ -38,13 +38,24 @@ class KVStore:
         self._busy_until = 0.0
         threading.Thread(target=self._poll_loop, daemon=True, name="kv-store-poll").start()
 
-    def metadata(self) -> bytes:
-        return self.store.agent.metadata()
+    def metadata(self) -> tuple[str, bytes]:
+        """(this store's NIXL agent's name, its metadata)."""
+        return self.store.agent.name, self.store.agent.metadata()
+
+    def ping(self) -> int:
+        """Liveness: this store's process id."""
+        return os.getpid()
 
     def add_writer(self, metadata: bytes) -> list:
         """Learn a rank's agent; its inbox here (wire form)."""
         with self._lock:
             return self.store.add_writer(metadata).to_wire()
+
+    def remove_writers(self, names: list[str]) -> None:
+        """Forget the agents `names` of ranks that are gone (their inboxes return to the pool)."""
+        with self._lock:
+            for name in names:
+                self.store.remove_writer(name)
 
     def lookup(self, token_ids: list[int]) -> tuple[int, list] | None:
         """(cached tokens, wire region to READ) for the longest cached prefix, or None."""

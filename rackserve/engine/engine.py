@@ -162,6 +162,16 @@ class Engine:
             return True
         return self.scheduler.abort(request_id) is not None
 
+    def forget_peers(self, peers: list[str]) -> None:
+        """Agents `peers` are gone (their ranks restarted, their store died): drop the transfers to them
+        (`KVPort.forget`) and the requests still to be prefilled for pushing to one of them (the decode
+        rank that reserved their room lost them; their clients submit them again)."""
+        for peer in peers:
+            self.kv.forget(peer)
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            if req.push_to is not None and req.push_to.region.agent in peers:
+                self.scheduler.abort(req.request_id)
+
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or (self.kv is not None and self.kv.pending)
                 or self._in_flight is not None)

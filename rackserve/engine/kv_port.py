@@ -96,7 +96,7 @@ class KVPort:
         self.agent, self.cache, self.timeout_s = agent, cache, timeout_s
         self.incoming: dict[str, Incoming] = {}  # in reservation order
         self.outgoing: list[Outgoing] = []
-        self._quarantine: deque[tuple[float, int]] = deque()  # (release time, offset) of expired ranges
+        self._quarantine: deque[tuple[float, int]] = deque()  # (release time, offset): expired or given-up ranges
         self.store: StoreLink | None = None
         self.stats = KVStats()
 
@@ -275,6 +275,24 @@ class KVPort:
             else:
                 still.append(out)
         self.outgoing = still
+
+    # ---- peers that went away ----------------------------------------------------------------------
+    def forget(self, peer: str) -> None:
+        """Peer `peer` is gone (its gang restarted, its store died): drop the WRITEs still going to
+        it, stop writing prefixes to it if it is our KV store, and disconnect from it. A dropped
+        push concerns a request its decode rank lost with it, so it counts as no failure here; its
+        range stays out of use for one timeout, in case the transfer touches it still."""
+        keep = []
+        for out in self.outgoing:
+            if out.peer != peer:
+                keep.append(out)
+                continue
+            self.agent.cancel(out.transfer)
+            self._quarantine.append((time.time() + self.timeout_s, out.offset))
+        self.outgoing = keep
+        if self.store is not None and self.store.agent == peer:
+            self.store = None
+        self.agent.remove_peer(peer)
 
     def _push_failed(self, request_id: str, peer: str) -> None:
         self.stats.push_failures += 1

@@ -74,6 +74,14 @@ class PrefixStore:
             self._inboxes[name] = offset
         return self.agent.region(self._inboxes[name], self.inbox_bytes)
 
+    def remove_writer(self, name: str) -> None:
+        """Forget the writer agent `name` (its rank is gone): its inbox returns to the pool, its
+        connection is dropped. Unknown names are ignored."""
+        offset = self._inboxes.pop(name, None)
+        if offset is not None:
+            self.agent.free(offset)
+        self.agent.remove_peer(name)
+
     def lookup(self, token_ids: list[int]) -> tuple[int, RemoteRegion] | None:
         """The longest cached prefix of `token_ids` (at least one token is left to compute): its
         length in tokens and where to READ its state; None on a miss or when memory is short."""

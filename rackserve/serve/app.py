@@ -12,7 +12,8 @@ straight from its decode rank (`DeploymentClient`), so the HTTP tier scales out,
 dies or is upgraded costs only its own streams, never the engines. Every failure a client can cause
 is answered with an OpenAI-shaped 4xx and costs nobody else anything; more than `max_inflight`
 requests in progress on a replica get 429 + Retry-After. A client that goes away mid-stream aborts
-its request, which frees its state on every rank.
+its request, which frees its state on every rank. An app told to drain (`rackserve.serve.drain`)
+answers new generation requests, and /health, 503 + Retry-After while those in progress finish.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at runtime.
@@ -46,6 +47,10 @@ logger = logging.getLogger("ray.serve")
 RETRY_AFTER_S = 1
 EXTRA_ONGOING = 64  # Serve admits this many beyond max_inflight, so health and metrics get through
 REPLICA_HEADER = "x-rackserve-replica"  # on generation responses: the ingress replica that answered
+REPORT_S = 0.25  # how often a replica reports its requests in progress to the data plane and learns if it drains
+DRAINING, ENDED = "server_draining", "server_shutdown"  # error codes: refused while draining, ended at its timeout
+ENDED_WHY = ("the server is shutting down and its drain timeout ran out before this request finished; retry it "
+             "against another replica or later")
 
 app = FastAPI(title="rackserve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -110,7 +115,7 @@ async def _read_body(request: Request) -> bytes:
 
 
 def _error(e: api.APIError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 or e.code in (DRAINING, ENDED) else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
@@ -133,6 +138,10 @@ class OpenAIServer:
         self.metrics = Metrics()
         self.inflight = 0
         self.replica = serve.get_replica_context().replica_id.unique_id
+        # learnt before serving, so that a replica started during a drain admits nothing
+        self.draining, self.ending = ray.get(self.plane.report.remote(self.replica, 0, False))
+        # on the loop that runs the handlers (Serve runs the constructor there): see `_report_loop`
+        self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
     def __del__(self):  # Serve stops the replica: its pumps go; its requests' ranks abort what it left
         if hasattr(self, "deployment"):
@@ -141,6 +150,10 @@ class OpenAIServer:
     # ---- plain routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
+        if self.draining:  # a load balancer takes the replica out before it stops
+            return JSONResponse({"status": "draining", "healthy": False, "message": "the server is shutting "
+                                 "down: it finishes the requests in progress and takes no new ones"},
+                                status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         report = await self.plane.health.remote()
         return JSONResponse(report, status_code=200 if report["healthy"] else 503)
 
@@ -157,6 +170,7 @@ class OpenAIServer:
     @app.get("/metrics")
     async def prometheus(self) -> Response:
         self.metrics.observe_deployment(await self.plane.stats.remote())
+        self.metrics.replays.set(self.deployment.replayed)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
@@ -182,6 +196,9 @@ class OpenAIServer:
             ids = self._prompt_ids(req, chat)
             session = api.session_of(body, request.headers)
             params = req.sampling(len(ids), self.max_model_len)
+            if self.draining:  # checked where the count goes up, with no await between: see `_report_loop`
+                raise api.APIError(503, "the server is shutting down and takes no new requests; retry against "
+                                        "another replica or later", "server_error", code=DRAINING)
             if self.inflight >= self.config.max_inflight:
                 raise api.APIError(429, f"the server has {self.inflight} requests in progress, its limit; retry "
                                         f"in {RETRY_AFTER_S} s", "rate_limit_error", code="server_busy")
@@ -197,6 +214,8 @@ class OpenAIServer:
             logger.warning("request refused: %s", e)
             self._done(endpoint, 503)
             return _error(api.APIError(503, f"the deployment could not take the request: {e}", "server_error"))
+        if self.ending:  # routed while the replica ended its requests: its stream was opened after they were
+            self.deployment.close(ENDED_WHY)
         reply = _Reply(api.new_request_id(chat), self.config.model_name, chat, req, arrival, self.tokenizer)
         if req.stream:
             return StreamingResponse(self._events(request_id, reply, endpoint), media_type="text/event-stream")
@@ -206,7 +225,7 @@ class OpenAIServer:
                 reply.add(out)
         except InstanceError as e:
             status = 503
-            return _error(api.APIError(503, str(e), "server_error"))
+            return _error(self._lost(e))
         finally:
             self._done(endpoint, status, reply)
         if reply.error:
@@ -232,11 +251,32 @@ class OpenAIServer:
             yield responses.SSE_DONE
         except InstanceError as e:
             status = 503
-            yield responses.sse(api.APIError(503, str(e), "server_error").body())
+            yield responses.sse(self._lost(e).body())
             yield responses.SSE_DONE
         finally:
             await outputs.aclose()  # aborts the request if it is still running
             self._done(endpoint, status, reply)
+
+    def _lost(self, e: InstanceError) -> api.APIError:
+        """The error of a request its instance lost, or that the end of a drain ended."""
+        return api.APIError(503, str(e), "server_error", code=ENDED if self.ending else None)
+
+    async def _report_loop(self) -> None:
+        """Every `REPORT_S`: report the requests in progress to the data plane (`Controller.report`) and
+        take from its answer whether to drain, and whether to end what runs; off every request's path.
+        It runs on the handlers' event loop, where admission checks the flag and counts the request with
+        no await between: a report sent while draining counts every request this replica has left to
+        finish, and the drain waits for those (`rackserve.serve.drain`)."""
+        while True:
+            await asyncio.sleep(REPORT_S)
+            try:
+                draining, ending = await self.plane.report.remote(self.replica, self.inflight, self.draining)
+            except ray.exceptions.RayError:  # the data plane busy or gone (the app is being deleted)
+                continue
+            self.draining = draining
+            if ending and not self.ending:
+                self.ending = True
+                self.deployment.close(ENDED_WHY)  # every open stream ends with an InstanceError saying why
 
     def _done(self, endpoint: str, status: int, reply: _Reply | None = None) -> None:
         self.inflight -= 1

@@ -12,7 +12,8 @@ from rackserve.config import ConfigError
 BUILDER = "rackserve.serve.app:build"
 INGRESS_KINDS = ("proxy", "direct")  # how HTTP reaches the replicas: see `rackserve.serve.ingress`
 # settings of the HTTP tier alone: changing them restarts ingress replicas, never the engines
-INGRESS_FIELDS = ("served_model_name", "host", "port", "ingress", "api_key", "max_inflight", "num_ingress_replicas")
+INGRESS_FIELDS = ("served_model_name", "host", "port", "ingress", "api_key", "max_inflight", "num_ingress_replicas",
+                  "drain_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,10 @@ class ServeConfig:
     api_key: when set, requests need `Authorization: Bearer <api_key>`; max_inflight: requests in
     progress per ingress replica before new ones get 429 (backpressure, not an unbounded queue);
     num_ingress_replicas: stateless HTTP replicas in front of the one data plane (each routes and
-    streams by itself; with direct ingress each listens on its own port from `port` on); timeout (s):
-    a gang member silent this long fails its instance."""
+    streams by itself; with direct ingress each listens on its own port from `port` on);
+    drain_timeout_s (s): how long `rackserve serve`, told to stop (SIGTERM, Ctrl-C), lets the requests in
+    progress finish while new ones get 503 + Retry-After; what still runs then is ended with an error;
+    timeout (s): a gang member silent this long fails its instance."""
 
     model: str = "tiny"
     served_model_name: str | None = None
@@ -52,6 +55,7 @@ class ServeConfig:
     api_key: str | None = None
     max_inflight: int = 256
     num_ingress_replicas: int = 1
+    drain_timeout_s: float = 30.0
     timeout: float = 30.0
 
     def __post_init__(self) -> None:
@@ -62,6 +66,8 @@ class ServeConfig:
             raise ConfigError(f"max_inflight={self.max_inflight!r} must be an integer ≥ 1")
         if not isinstance(self.num_ingress_replicas, int) or self.num_ingress_replicas < 1:
             raise ConfigError(f"num_ingress_replicas={self.num_ingress_replicas!r} must be an integer ≥ 1")
+        if not isinstance(self.drain_timeout_s, (int, float)) or not self.drain_timeout_s >= 0:
+            raise ConfigError(f"drain_timeout_s={self.drain_timeout_s!r} must be a number of seconds ≥ 0")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ConfigError(f"port={self.port!r} must be an integer in [0, 65535]")
         if self.ingress not in INGRESS_KINDS:

@@ -3,9 +3,11 @@
 `Controller` builds the `Deployment` (instances and KV stores) from a `ServeConfig` — placed by the
 rack planner into placement groups when the config names a topology — so the rank actors and stores
 are *its* children: they live as long as it does, not as long as any ingress replica. It restarts
-failed gangs (when a client reports one), gathers the ranks' load reports, answers health checks by
-pinging every member, and hands ingress replicas what they need to route and stream themselves
-(`view`, `members_of`, `loads`); it is on no request's path.
+failed gangs and replaces dead KV stores (see `Deployment`), gathers the ranks' load reports, answers
+health checks (`rackserve.serve.health`: pings, and the P/D failure rates it samples), and hands
+ingress replicas what they need to route and stream themselves (`view`, `members_of`, `loads`); it is
+on no request's path. The ingress replicas report their requests
+in progress to it and learn from it when the app drains (`drain`, `rackserve.serve.drain`).
 
 `data_plane(config, app)` gets it by name, or creates it: every ingress replica of an app calls it, so
 the first one creates it and the rest (and any replica restarted later, or a rolling upgrade of the
@@ -32,12 +34,14 @@ from rackserve.config import EngineConfig
 from rackserve.models import read_config
 from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
 from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
+from rackserve.serve import health
 from rackserve.serve.config import INGRESS_FIELDS, ServeConfig
 from rackserve.serve.router import RankKey
 
 HEALTH_TIMEOUT_S = 5.0
 ORPHAN_S = 30.0  # a data plane whose Serve app has been gone this long shuts itself down
 PLACEMENT_TIMEOUT_S = 300.0
+REPORT_STALE_S = 5.0  # an ingress replica silent this long (gone) no longer counts in `Controller.inflight`
 NAMESPACE = "rackserve"  # the data planes' Ray namespace, whatever namespace an ingress replica runs in
 
 
@@ -68,6 +72,10 @@ class Controller:
         self.max_model_len = min(EngineConfig(**{**config.engine, **role}).resolve(model).max_model_len
                                  for role in (config.prefill_engine, config.decode_engine))
         self.tokenizer = self.deployment.tokenizer
+        self.window = health.TransferWindow()
+        threading.Thread(target=self._sample, daemon=True, name="health-sample").start()
+        self.draining = self.ending = False  # see `drain` and `end_requests`
+        self.reports: dict[str, tuple[int, bool, float]] = {}  # replica: (in progress, was draining, when)
 
     @staticmethod
     def _place(config: ServeConfig):
@@ -100,14 +108,31 @@ class Controller:
         """Every instance's member process ids (to see that an ingress change left them alone)."""
         return {inst.name: [p["pid"] for p in inst.ping()] for inst in self.deployment.prefill + self.deployment.decode}
 
+    def store_pids(self) -> list[int | None]:
+        """Every KV store's process id (None: dead)."""
+        refs = [store.ping.remote() for store in self.deployment.stores]
+        pids = []
+        for ref in refs:
+            try:
+                pids.append(ray.get(ref, timeout=HEALTH_TIMEOUT_S))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pids.append(None)
+        return pids
+
     def health(self) -> dict:
-        """{"healthy": bool, "instances": {name: "ok" | why not}, "kv_stores": live / total}: every rank
-        answers a ping within HEALTH_TIMEOUT_S (a dead KV store degrades caching, not health)."""
+        """{"status": "healthy" | "degraded" | "unhealthy" (see `rackserve.serve.health`), "healthy": not
+        unhealthy, "reasons": what is wrong, "instances": {name: "ok" | "restarting" | why it is down},
+        "kv_stores": live / total, "kv_stores_replaced", and the P/D failure rates of the last minute}.
+        Every rank of an instance not restarting answers a ping within HEALTH_TIMEOUT_S."""
+        dep = self.deployment
         instances = {}
-        for inst in self.deployment.prefill + self.deployment.decode:
-            why = diagnose(inst.members, inst.dep, HEALTH_TIMEOUT_S)  # not waiting for a restart in progress
-            instances[inst.name] = f"{why}; the gang restarts with the next request" if why else "ok"
-        refs = [store.metadata.remote() for store in self.deployment.stores]
+        for inst in dep.prefill + dep.decode:
+            if inst.restarting:
+                instances[inst.name] = "restarting"
+                continue
+            why = diagnose(inst.members, inst.dep, HEALTH_TIMEOUT_S)
+            instances[inst.name] = f"{why}; the gang restarts within seconds" if why else "ok"
+        refs = [store.ping.remote() for store in dep.stores]
         answered, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
         live = 0
         for ref in answered:
@@ -116,11 +141,55 @@ class Controller:
                 live += 1
             except ray.exceptions.RayActorError:
                 pass
-        return {"healthy": all(s == "ok" for s in instances.values()), "instances": instances,
-                "kv_stores": f"{live}/{len(refs)}"}
+        rates = self.window.rates()
+        status, reasons = health.status(instances, [i.name for i in dep.decode], live, len(refs), rates)
+        return {"status": status, "healthy": status != "unhealthy", "reasons": reasons, "instances": instances,
+                "kv_stores": f"{live}/{len(refs)}", "kv_stores_replaced": dep.stores_replaced, **rates}
+
+    def _sample(self) -> None:
+        """Feed the transfer counters to the health window every `health.SAMPLE_S`."""
+        while not self.deployment.closed:
+            try:
+                self.window.add(health.TransferCounts.of(self.deployment.stats()))
+            except Exception:  # noqa: BLE001 - a gang restarting: the next sample counts
+                pass
+            time.sleep(health.SAMPLE_S)
 
     def stats(self) -> dict:
-        return self.deployment.stats()
+        """`Deployment.stats()`, with the recovery figures: the window's failure rates, KV stores dead and
+        replaced, gangs restarting."""
+        dep = self.deployment
+        return {**dep.stats(), "recovery": {**self.window.rates(), "kv_stores_dead": len(dep.dead_stores),
+                                            "kv_stores_replaced": dep.stores_replaced,
+                                            "gangs_restarting": sum(i.restarting for i in dep.prefill + dep.decode)}}
+
+    # ---- stopping gracefully (`rackserve.serve.drain`) ---------------------------------------------------
+    def drain(self) -> None:
+        """Take no new generation requests: each ingress replica learns it from its next `report` and
+        answers them (and /health) 503 from then on; requests in progress go on. Idempotent."""
+        self.draining = True
+
+    def end_requests(self) -> None:
+        """The drain's time is up: each ingress replica ends the requests it still runs, with an error."""
+        self.draining = self.ending = True
+
+    def report(self, replica: str, inflight: int, draining: bool) -> tuple[bool, bool]:
+        """Ingress replica `replica` has `inflight` requests in progress, counted while it did (`draining`)
+        or did not yet refuse new ones; what it must do: (drain, end its requests). Every replica calls
+        it every `app.REPORT_S`, off the requests' path."""
+        self.reports[replica] = (inflight, draining, time.monotonic())
+        return self.draining, self.ending
+
+    def inflight(self) -> dict:
+        """{"requests": in progress on the ingress replicas, "replicas": how many reported, "admitting":
+        how many of those still took new requests when they counted} over the replicas heard from in the
+        last `REPORT_STALE_S` (one gone stops counting then). The replicas count, not the ranks: a
+        request is theirs from admission until its last byte is written, while a rank sees it only from
+        its reservation until its last token; a request being routed, prefilled or handed over, or
+        whose last tokens are still on their way to the client, is invisible to the ranks' loads."""
+        fresh = [r for r in list(self.reports.values()) if time.monotonic() - r[2] < REPORT_STALE_S]
+        return {"requests": sum(r[0] for r in fresh), "replicas": len(fresh),
+                "admitting": sum(not r[1] for r in fresh)}
 
     def shutdown(self) -> None:
         self.deployment.shutdown()

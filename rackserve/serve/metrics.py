@@ -1,4 +1,5 @@
-"""Prometheus metrics of the endpoint: requests, latencies, tokens, state memory, EPLB, KV transfers.
+"""Prometheus metrics of the endpoint: requests, latencies, tokens, state memory, EPLB, KV transfers,
+faults and recovery.
 
 Request-path figures are recorded as requests run; deployment-wide figures (state memory, EPLB
 balancedness, KV transfer counters) are read from the ranks when `/metrics` is scraped.
@@ -36,6 +37,11 @@ class Metrics:
                                   "re-placement (mean / max rank load), by instance", ["instance"], registry=r)
         self.kv = Gauge("rackserve_kv_transfers", "KV transfer counters summed over ranks, by kind", ["kind"],
                         registry=r)
+        self.recovery = Gauge("rackserve_recovery", "Faults and their mending: push_failure_rate and "
+                              "recompute_rate over the last minute, kv_stores_dead, kv_stores_replaced, "
+                              "gangs_restarting", ["kind"], registry=r)
+        self.replays = Gauge("rackserve_replayed_requests", "Requests replayed after their decode gang failed, "
+                             "by this replica (a running total)", registry=r)
 
     def observe_deployment(self, stats: dict) -> None:
         """Refresh the deployment-wide gauges from `Deployment.stats()`."""
@@ -60,6 +66,8 @@ class Metrics:
             self.state_total.labels(role).set(total)
         for kind, value in kv.items():
             self.kv.labels(kind).set(value)
+        for kind, value in stats.get("recovery", {}).items():
+            self.recovery.labels(kind).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -64,6 +64,13 @@ class KVAgent(PoolAgent):
         self._peers.add(name)
         return name
 
+    def remove_peer(self, name: str) -> None:
+        """Forget peer `name` and disconnect from it: NIXL keeps a remote agent's metadata and UCX
+        endpoints until told, so without this every restarted peer would leave its predecessor's behind."""
+        if name in self._peers:
+            self._agent.remove_remote_agent(name)
+        super().remove_peer(name)
+
     # ---- transfers -----------------------------------------------------------------------------
     def write(self, offset: int, remote: RemoteRegion, notif: bytes = b"") -> Transfer:
         """Start a WRITE of our pool's `[offset, offset + remote.nbytes)` into `remote`; the peer
@@ -100,6 +107,13 @@ class KVAgent(PoolAgent):
             raise TransferError(f"{self.name}: transfer of {transfer.nbytes} bytes with {transfer.peer!r} "
                                 f"failed ({state})")
         return True
+
+    def cancel(self, transfer: Transfer) -> None:
+        """Release a transfer's handle without waiting for it (its peer is gone); NIXL aborts it if running."""
+        try:
+            self._agent.release_xfer_handle(transfer.handle)
+        except Exception:  # noqa: BLE001 - nixl's own error types: a handle it already dropped is fine
+            pass
 
     def notify(self, peer: str, message: bytes) -> None:
         """Send `message` to `peer` without data (e.g. "that transfer will not come")."""

@@ -116,6 +116,12 @@ class LocalAgent(PoolAgent):
                                 f"failed: {op.error}")
         return op.state == "DONE"
 
+    def cancel(self, transfer: Transfer) -> None:
+        with _lock:
+            if transfer.handle in _queue:
+                _queue.remove(transfer.handle)
+        transfer.handle.state, transfer.handle.error = "ERR", "cancelled"
+
     def notify(self, peer: str, message: bytes) -> None:
         self._check_peer(peer)
         with _lock:

@@ -96,6 +96,13 @@ class KVTransport(Protocol):
     def add_peer(self, metadata: bytes) -> str:
         """Learn a peer from its `metadata()`; its name."""
 
+    def remove_peer(self, name: str) -> None:
+        """Forget peer `name` (gone: its process ended, a successor has another name) and whatever
+        connection to it is held; transfers to it cannot start any more. Unknown names are ignored."""
+
+    def cancel(self, transfer: Transfer) -> None:
+        """Give up `transfer` (its peer is gone) and release its handle; poll it no more."""
+
     def alloc(self, nbytes: int) -> int | None:
         """The offset of a new range of `nbytes` (> 0) of the pool, or None while the pool is full."""
 
@@ -146,6 +153,9 @@ class PoolAgent:
 
     def knows(self, peer: str) -> bool:
         return peer in self._peers
+
+    def remove_peer(self, name: str) -> None:
+        self._peers.discard(name)
 
     def alloc(self, nbytes: int) -> int | None:
         """A range of `nbytes` of the pool; its offset, or None while the pool is full."""

@@ -1,0 +1,333 @@
+"""Faults over HTTP: what each kind of failure costs the requests in flight, and the service after it.
+
+    python -m rackserve.bench.faults [--streams 8] [--osl 48] [--probes 10] [--port 8000]
+
+Two Serve apps of the tiny model, one after the other, each with one DEP1 prefill instance and one
+KV store: "dep" decodes on a DEP2 instance whose EPLB re-places the experts every 2 steps (2
+redundant slots), "afd" on an attention–FFN split AFD1+1 instance. Per fault, in turn:
+
+1. TTFT before: p50 of --probes sequential 1-token streamed requests;
+2. --streams concurrent greedy streams (distinct prompts of 24 token ids, --osl tokens, EOS ignored),
+   streamed over HTTP (httpx, server-sent events); their undisturbed text comes from the same requests
+   run once before any fault;
+3. once every stream has its first text, the fault: SIGKILL of a decode DP rank (with EPLB moving
+   experts every other step, so within a step of a move), SIGSTOP of a decode DP rank (found by the
+   gang's timeout; the restart kills it), SIGKILL of the prefill DP rank, of the KV store, of the
+   expert rank of the split instance;
+4. each stream: completed with the undisturbed text, completed with other text, ended with an error,
+   or hung (no end within --hang-s); "replayed" counts the requests the ingress replayed (its
+   `rackserve_replayed_requests`);
+5. recovery: seconds from the fault until a new 1-token request succeeds;
+6. TTFT after: p50 of --probes once recovered (target: within 1.5x of before), the push failures
+   those requests met (target: 0), and whether the decode instances' state memory in use came back
+   to its idle level (nothing leaked).
+
+The whole Ray node's loss is not in the matrix (one machine: its processes are one node's). The
+last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from rackserve.bench import script
+from rackserve.bench.metrics import percentile
+
+ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "state_memory_mb": 32, "kv_pool_mb": 8,
+          "kv_timeout_s": 4.0}
+# gangs found silent after 6 s; a KV store small enough to start fast
+APPS = {
+    "dep": {"model": "tiny", "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "1xDEP2", "kv_stores": 1,
+            "store_memory_mb": 16, "engine": ENGINE, "decode_engine": {"eplb_interval": 2},
+            "decode_redundant_slots": 2, "timeout": 6.0},
+    "afd": {"model": "tiny", "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "1xAFD1+1", "kv_stores": 1,
+            "store_memory_mb": 16, "engine": ENGINE, "timeout": 6.0},
+}
+PROMPT_LEN = 24
+TTFT_TARGET = 1.5  # TTFT p50 after recovery within this many times the TTFT before
+
+
+@dataclass
+class App:
+    """A running Serve app: its URL and its data plane actor."""
+
+    name: str
+    url: str
+    plane: object
+
+
+@dataclass
+class Outcome:
+    """One streamed request: its text, completion tokens, first-token time (s), and the error it ended with."""
+
+    text: str = ""
+    tokens: int = 0
+    ttft: float | None = None
+    error: str | None = None
+    done: bool = False
+    started: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Row:
+    """One fault's figures."""
+
+    fault: str
+    app: str
+    streams: int
+    completed: int  # with the undisturbed text
+    differed: int  # completed with other text
+    errored: int
+    hung: int
+    replayed: int
+    recovery_s: float
+    ttft_before_ms: float
+    ttft_after_ms: float
+    push_failures_after: int
+    memory_back: bool
+
+    @property
+    def ttft_ratio(self) -> float:
+        return self.ttft_after_ms / self.ttft_before_ms
+
+
+def start_app(name: str, settings: dict, port: int) -> App:
+    """Serve app `name` of `settings` under /`name` on Serve's proxy at `port`, once it serves."""
+    import ray
+    from ray import serve
+
+    from rackserve.serve import ingress
+    from rackserve.serve.app import build
+    from rackserve.serve.config import ServeConfig
+    from rackserve.serve.controller import NAMESPACE, data_plane_name
+
+    serve.run(build(settings), name=name, route_prefix=f"/{name}")
+    url = f"http://127.0.0.1:{port}/{name}"
+    ingress.wait_until_serving(url)
+    return App(name, url, ray.get_actor(data_plane_name(ServeConfig.from_dict(settings), name), namespace=NAMESPACE))
+
+
+def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome | None = None, timeout: float = 120.0) -> Outcome:
+    """Stream one greedy completion of `prompt` (token ids) into `out`; errors end up in `out.error`."""
+    out = out or Outcome()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
+            if response.status_code != 200:
+                out.error = f"HTTP {response.status_code}: {response.read().decode()[:300]}"
+                return out
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    out.error = chunk["error"]["message"]
+                    continue
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    out.ttft = out.ttft if out.ttft is not None else time.monotonic() - t0
+                    out.text += chunk["choices"][0]["text"]
+                    out.started.set()
+                if chunk.get("usage"):
+                    out.tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as e:
+        out.error = f"{type(e).__name__}: {e}"
+    out.done = True
+    out.started.set()
+    return out
+
+
+def ttft_p50(url: str, probes: int) -> float:
+    """p50 TTFT (ms) of `probes` sequential 1-token requests (distinct prompts: no prefix-cache hits)."""
+    times = []
+    for i in range(probes):
+        out = stream(url, [7 + (i * 13 + j * 5) % 500 for j in range(PROMPT_LEN)], 1)
+        if out.error or out.ttft is None:
+            raise RuntimeError(f"a probe failed: {out.error}")
+        times.append(1e3 * out.ttft)
+    return percentile(times, 50)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    return [[(seed * 7919 + i * 131 + j * 17) % 500 + 3 for j in range(PROMPT_LEN)] for i in range(n)]
+
+
+def run_streams(url: str, batch: list[list[int]], osl: int) -> list[tuple[Outcome, threading.Thread]]:
+    runs = []
+    for p in batch:
+        out = Outcome()
+        thread = threading.Thread(target=stream, args=(url, p, osl, out), daemon=True)
+        thread.start()
+        runs.append((out, thread))
+    return runs
+
+
+# ---- what the data plane reports ---------------------------------------------------------------------------
+def _members(app: App, role: str) -> list[dict]:
+    import ray
+
+    return [m for inst in ray.get(app.plane.stats.remote())[role] for m in inst["members"]]
+
+
+def push_failures(app: App) -> int:
+    return sum(m.get("kv_push_failures", 0) for m in _members(app, "prefill"))
+
+
+def decode_state_in_use(app: App) -> int:
+    """State bytes the decode ranks hold for requests (the prefix cache's reclaimable bytes not counted)."""
+    return sum(m.get("state_bytes_in_use", 0) - m.get("state_bytes_cached", 0) for m in _members(app, "decode"))
+
+
+def settle(app: App, timeout: float = 60.0) -> None:
+    """Wait until no prefill rank holds a request: one submitted during the fault may still be prefilled
+    for a reservation that expired meanwhile (the decode rank recomputed it), and its push fail then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(m.get("running", 0) + m.get("waiting", 0)
+                                              for m in _members(app, "prefill")):
+        time.sleep(0.2)
+
+
+def replayed(app: App) -> float:
+    """The ingress replica's `rackserve_replayed_requests`."""
+    text = httpx.get(f"{app.url}/metrics", timeout=30).text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("rackserve_replayed_requests"))
+
+
+# ---- the faults ----------------------------------------------------------------------------------------------
+def _pid(app: App, role: str, member: int) -> int:
+    import ray
+
+    pids = ray.get(app.plane.pids.remote())
+    return next(p for name, p in pids.items() if name.startswith(role))[member]
+
+
+def kill_decode_rank(app: App) -> None:
+    os.kill(_pid(app, "decode", 1), signal.SIGKILL)
+
+
+def freeze_decode_rank(app: App) -> None:
+    os.kill(_pid(app, "decode", 1), signal.SIGSTOP)  # the gang's restart kills it
+
+
+def kill_prefill_rank(app: App) -> None:
+    os.kill(_pid(app, "prefill", 0), signal.SIGKILL)
+
+
+def kill_kv_store(app: App) -> None:
+    import ray
+
+    os.kill(ray.get(app.plane.store_pids.remote())[0], signal.SIGKILL)
+
+
+def kill_expert_rank(app: App) -> None:
+    os.kill(_pid(app, "decode", 1), signal.SIGKILL)  # AFD1+1: the DP rank, then the expert rank
+
+
+FAULTS: dict[str, tuple[str, Callable[[App], None]]] = {
+    "SIGKILL decode DP rank (EPLB moving)": ("dep", kill_decode_rank),
+    "SIGSTOP decode DP rank": ("dep", freeze_decode_rank),
+    "SIGKILL prefill DP rank": ("dep", kill_prefill_rank),
+    "SIGKILL KV store": ("dep", kill_kv_store),
+    "SIGKILL expert rank (AFD)": ("afd", kill_expert_rank),
+}
+
+
+def run_fault(app: App, fault: str, inject: Callable[[App], None], streams: int, osl: int, probes: int,
+              hang_s: float = 180.0, seed: int = 0) -> Row:
+    """One row of the matrix (see the module docstring) on a running `app`."""
+    batch = prompts(streams, seed)
+    undisturbed = run_streams(app.url, batch, osl)
+    for _, thread in undisturbed:
+        thread.join()
+    if any(out.error for out, _ in undisturbed):
+        raise RuntimeError(f"a request failed before the fault: {[o.error for o, _ in undisturbed if o.error]}")
+    expected = [out.text for out, _ in undisturbed]
+    before = ttft_p50(app.url, probes)
+    idle = decode_state_in_use(app)
+    replays = replayed(app)
+    runs = run_streams(app.url, batch, osl)
+    for out, _ in runs:
+        out.started.wait(60)
+    fault_at = time.monotonic()
+    inject(app)
+    while True:  # until a new request gets through
+        probe = stream(app.url, prompts(1, seed + 1000)[0], 1, timeout=60)
+        if probe.error is None and probe.tokens == 1:
+            break
+        time.sleep(0.2)
+    recovery = time.monotonic() - fault_at
+    deadline = time.monotonic() + hang_s
+    for _, thread in runs:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    outs = [out for out, _ in runs]
+    settle(app)
+    failures = push_failures(app)
+    after = ttft_p50(app.url, probes)
+    failures = push_failures(app) - failures
+    memory_back = False
+    until = time.monotonic() + 30
+    while time.monotonic() < until and not memory_back:
+        memory_back = decode_state_in_use(app) <= idle
+        time.sleep(0.5)
+    return Row(fault, app.name, streams,
+               completed=sum(o.done and o.error is None and o.text == want for o, want in zip(outs, expected)),
+               differed=sum(o.done and o.error is None and o.text != want for o, want in zip(outs, expected)),
+               errored=sum(o.done and o.error is not None for o in outs), hung=sum(not o.done for o in outs),
+               replayed=round(replayed(app) - replays), recovery_s=recovery, ttft_before_ms=before,
+               ttft_after_ms=after, push_failures_after=failures, memory_back=memory_back)
+
+
+def table(rows: list[Row]) -> str:
+    header = (f"{'fault':<38} {'streams':>7} {'same':>5} {'other':>5} {'error':>5} {'hung':>5} {'replayed':>8} "
+              f"{'recovery s':>10} {'TTFT before':>11} {'after ms':>9} {'ratio':>6} {'push fail':>9} {'memory':>7}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r.fault:<38} {r.streams:>7} {r.completed:>5} {r.differed:>5} {r.errored:>5} {r.hung:>5} "
+                     f"{r.replayed:>8} {r.recovery_s:>10.1f} {r.ttft_before_ms:>11.0f} {r.ttft_after_ms:>9.0f} "
+                     f"{r.ttft_ratio:>6.2f} {r.push_failures_after:>9} {'idle' if r.memory_back else 'HELD':>7}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = script.parser(__doc__)
+    ap.add_argument("--streams", type=int, default=8, help="concurrent streams in flight at each fault")
+    ap.add_argument("--osl", type=int, default=48, help="tokens per stream (greedy, EOS ignored)")
+    ap.add_argument("--probes", type=int, default=10, help="sequential 1-token requests per TTFT p50")
+    ap.add_argument("--hang-s", type=float, default=180.0, help="a stream not ended this long after the fault hangs")
+    ap.add_argument("--port", type=int, default=8000, help="HTTP port of Serve's proxy on 127.0.0.1")
+    args = ap.parse_args(argv)
+    from rackserve.serve.app import delete
+
+    rows = []
+    with script.ray_cluster(), script.serve_proxy(args.port):
+        for name, settings in APPS.items():
+            app = start_app(f"faults-{name}", settings, args.port)
+            try:
+                for i, (fault, (where, inject)) in enumerate(FAULTS.items()):
+                    if where == name:
+                        rows.append(run_fault(app, fault, inject, args.streams, args.osl, args.probes, args.hang_s,
+                                              seed=i))
+            finally:
+                delete(app.name)
+    print(f"tiny model over HTTP, {args.streams} greedy streams of {args.osl} tokens in flight at each fault; "
+          f"TTFT: p50 of {args.probes} sequential 1-token requests; 'same': the undisturbed text; shared CPU\n")
+    print(table(rows))
+    ok = all(r.hung == 0 and r.completed + r.errored == r.streams for r in rows)
+    print(f"\nno hangs, every stream completed or ended with an error: {'yes' if ok else 'no'}; TTFT after within "
+          f"{TTFT_TARGET}x: {sum(r.ttft_ratio <= TTFT_TARGET for r in rows)}/{len(rows)}")
+    return script.headline({"bench": "faults", "streams": args.streams, "osl": args.osl,
+                            "rows": [{**asdict(r), "ttft_ratio": round(r.ttft_ratio, 2)} for r in rows],
+                            "all_streams_accounted": ok})
+
+
+if __name__ == "__main__":
+    main()

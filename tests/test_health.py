@@ -1,0 +1,36 @@
+"""`/health`'s verdict (`rackserve.serve.health`): which states are unhealthy, degraded or healthy,
+and the P/D failure rates over the recent window, counters restarting with a gang included."""
+
+from __future__ import annotations
+
+from rackserve.serve.health import WINDOW_S, TransferCounts, TransferWindow, status
+
+RATES_OK = {"push_failure_rate": 0.0, "recompute_rate": 0.0}
+
+
+def test_down_instances_are_unhealthy_restarting_ones_and_dead_stores_degraded():
+    ok = {"prefill0": "ok", "decode0": "ok"}
+    assert status(ok, ["decode0"], 1, 1, RATES_OK) == ("healthy", [])
+    verdict, why = status({**ok, "prefill0": "DP rank 0 died"}, ["decode0"], 1, 1, RATES_OK)
+    assert verdict == "unhealthy" and why == ["prefill0: DP rank 0 died"]
+    verdict, why = status({**ok, "decode0": "restarting"}, ["decode0"], 1, 1, RATES_OK)
+    assert verdict == "unhealthy" and why == ["no decode instance is serving"]
+    verdict, why = status({**ok, "decode1": "restarting"}, ["decode0", "decode1"], 0, 1, RATES_OK)
+    assert verdict == "degraded"
+    assert why == ["decode1: its gang is restarting", "1 of 1 KV stores down (being replaced)"]
+
+
+def test_failure_rates_cover_the_window_and_survive_counters_restarting():
+    window = TransferWindow()
+    window.add(TransferCounts(pushed=100, reserved=100), now=0.0)
+    window.add(TransferCounts(pushed=190, push_failures=10, reserved=200, recomputed=10), now=10.0)
+    rates = window.rates()
+    assert rates == {"push_failure_rate": 0.1, "recompute_rate": 0.1}
+    assert status({"d": "ok"}, ["d"], 1, 1, rates)[0] == "degraded"
+    # a minute later with no failures since, the failures have left the window
+    window.add(TransferCounts(pushed=300, push_failures=10, reserved=310, recomputed=10), now=10.0 + WINDOW_S)
+    window.add(TransferCounts(pushed=320, push_failures=10, reserved=330, recomputed=10), now=20.0 + WINDOW_S)
+    assert window.rates() == RATES_OK
+    # a gang restarted: its counters began again, and the window with them
+    window.add(TransferCounts(pushed=5, reserved=5), now=25.0 + WINDOW_S)
+    assert window.rates() == RATES_OK
