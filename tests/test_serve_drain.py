@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -231,7 +232,9 @@ def test_rackserve_serve_drains_and_exits_0_on_sigterm(ray_cluster, tiny_checkpo
         long.join(timeout=30)
         text = "".join(output)
         assert cut["done"] and [e["code"] for e in cut["errors"]] == ["server_shutdown"], text
-        assert "SIGTERM: stopping" in text and "ended 1 request(s) still running now (a second signal)" in text
+        # the finished stream may still be counted: a replica reports its count every 0.25 s
+        assert "SIGTERM: stopping" in text and re.search(r"ended [12] request\(s\) still running now \(a second "
+                                                         r"signal\)", text), text
         assert text.rstrip().endswith("stopped") and "Traceback" not in text, text
         assert not shutdown_data_planes("rackserve-rackserve")  # none was left to shut down
         assert not serve_is_running()

@@ -2,27 +2,29 @@
 
     python -m rackserve.bench.faults [--streams 8] [--osl 48] [--probes 10] [--port 8000]
 
-Two Serve apps of the tiny model, one after the other, each with one DEP1 prefill instance and one
+Three Serve apps of the tiny model, one after the other, each with one DEP1 prefill instance and one
 KV store: "dep" decodes on a DEP2 instance whose EPLB re-places the experts every 2 steps (2
-redundant slots), "afd" on an attention–FFN split AFD1+1 instance. Per fault, in turn:
+redundant slots), "afd" on an attention–FFN split AFD1+1 instance, "ingress" on a DEP1 instance
+behind two ingress replicas. Per fault, in turn:
 
 1. TTFT before: p50 of --probes sequential 1-token streamed requests;
 2. --streams concurrent greedy streams (distinct prompts of 24 token ids, --osl tokens, EOS ignored),
-   streamed over HTTP (httpx, server-sent events); their undisturbed text comes from the same requests
-   run once before any fault;
+   streamed over HTTP through Serve's proxy (httpx, server-sent events); their undisturbed text comes
+   from the same requests run once before the fault;
 3. once every stream has its first text, the fault: SIGKILL of a decode DP rank (with EPLB moving
    experts every other step, so within a step of a move), SIGSTOP of a decode DP rank (found by the
    gang's timeout; the restart kills it), SIGKILL of the prefill DP rank, of the KV store, of the
-   expert rank of the split instance;
-4. each stream: completed with the undisturbed text, completed with other text, ended with an error,
-   or hung (no end within --hang-s); "replayed" counts the requests the ingress replayed (its
-   `rackserve_replayed_requests`);
+   expert rank of the split instance, of the ingress replica that took the first stream;
+4. each stream: completed with the undisturbed text, completed with other text, ended with an error
+   (an error event, or cut off before its [DONE]), or hung (no end within --hang-s); "replayed"
+   counts the requests the ingress replayed (its `rackserve_replayed_requests`; not counted with two
+   replicas);
 5. recovery: seconds from the fault until a new 1-token request succeeds;
-6. TTFT after: p50 of --probes once recovered (target: within 1.5x of before), the push failures
-   those requests met (target: 0), and whether the decode instances' state memory in use came back
-   to its idle level (nothing leaked).
+6. TTFT after: p50 of --probes once recovered (target: within 1.5x of before), the push failures and
+   the reservations recomputed on decode ranks during those requests (target: 0 each), and whether
+   the decode instances' state memory in use came back to its idle level (nothing leaked).
 
-The whole Ray node's loss is not in the matrix (one machine: its processes are one node's). The
+The loss of a whole Ray node is not in the matrix (see the README's "Faults and recovery"). The
 last line of output is one JSON object.
 """
 
@@ -50,6 +52,8 @@ APPS = {
             "decode_redundant_slots": 2, "timeout": 6.0},
     "afd": {"model": "tiny", "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "1xAFD1+1", "kv_stores": 1,
             "store_memory_mb": 16, "engine": ENGINE, "timeout": 6.0},
+    "ingress": {"model": "tiny", "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "1xDEP1", "kv_stores": 1,
+                "store_memory_mb": 16, "engine": ENGINE, "timeout": 6.0, "num_ingress_replicas": 2},
 }
 PROMPT_LEN = 24
 TTFT_TARGET = 1.5  # TTFT p50 after recovery within this many times the TTFT before
@@ -62,6 +66,7 @@ class App:
     name: str
     url: str
     plane: object
+    replicas: int = 1  # ingress replicas
 
 
 @dataclass
@@ -73,6 +78,7 @@ class Outcome:
     ttft: float | None = None
     error: str | None = None
     done: bool = False
+    replica: str | None = None  # the ingress replica that answered
     started: threading.Event = field(default_factory=threading.Event)
 
 
@@ -87,11 +93,12 @@ class Row:
     differed: int  # completed with other text
     errored: int
     hung: int
-    replayed: int
+    replayed: int | None  # None: not counted (several ingress replicas)
     recovery_s: float
     ttft_before_ms: float
     ttft_after_ms: float
     push_failures_after: int
+    recomputed_after: int
     memory_back: bool
 
     @property
@@ -112,21 +119,27 @@ def start_app(name: str, settings: dict, port: int) -> App:
     serve.run(build(settings), name=name, route_prefix=f"/{name}")
     url = f"http://127.0.0.1:{port}/{name}"
     ingress.wait_until_serving(url)
-    return App(name, url, ray.get_actor(data_plane_name(ServeConfig.from_dict(settings), name), namespace=NAMESPACE))
+    config = ServeConfig.from_dict(settings)
+    plane = ray.get_actor(data_plane_name(config, name), namespace=NAMESPACE)
+    return App(name, url, plane, config.num_ingress_replicas)
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome | None = None, timeout: float = 120.0) -> Outcome:
-    """Stream one greedy completion of `prompt` (token ids) into `out`; errors end up in `out.error`."""
+    """Stream one greedy completion of `prompt` (token ids) into `out`; errors end up in `out.error`,
+    a stream cut off before its `[DONE]` included."""
+    from rackserve.serve.app import REPLICA_HEADER
+
     out = out or Outcome()
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.monotonic()
+    t0, done = time.monotonic(), False
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
+            out.replica = response.headers.get(REPLICA_HEADER)
             if response.status_code != 200:
                 out.error = f"HTTP {response.status_code}: {response.read().decode()[:300]}"
-                return out
-            for line in response.iter_lines():
+            for line in response.iter_lines() if out.error is None else ():
+                done = done or line == "data: [DONE]"
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -139,6 +152,8 @@ def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome | None = N
                     out.started.set()
                 if chunk.get("usage"):
                     out.tokens = chunk["usage"]["completion_tokens"]
+            if out.error is None and not done:
+                out.error = "the stream ended without its [DONE]"
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"
     out.done = True
@@ -182,6 +197,11 @@ def push_failures(app: App) -> int:
     return sum(m.get("kv_push_failures", 0) for m in _members(app, "prefill"))
 
 
+def recomputed(app: App) -> int:
+    """Reservations the decode ranks gave up and prefilled themselves (a push failed or came too late)."""
+    return sum(m.get("kv_recomputed", 0) for m in _members(app, "decode"))
+
+
 def decode_state_in_use(app: App) -> int:
     """State bytes the decode ranks hold for requests (the prefix cache's reclaimable bytes not counted)."""
     return sum(m.get("state_bytes_in_use", 0) - m.get("state_bytes_cached", 0) for m in _members(app, "decode"))
@@ -210,38 +230,48 @@ def _pid(app: App, role: str, member: int) -> int:
     return next(p for name, p in pids.items() if name.startswith(role))[member]
 
 
-def kill_decode_rank(app: App) -> None:
+def kill_decode_rank(app: App, outs: list[Outcome]) -> None:
     os.kill(_pid(app, "decode", 1), signal.SIGKILL)
 
 
-def freeze_decode_rank(app: App) -> None:
+def freeze_decode_rank(app: App, outs: list[Outcome]) -> None:
     os.kill(_pid(app, "decode", 1), signal.SIGSTOP)  # the gang's restart kills it
 
 
-def kill_prefill_rank(app: App) -> None:
+def kill_prefill_rank(app: App, outs: list[Outcome]) -> None:
     os.kill(_pid(app, "prefill", 0), signal.SIGKILL)
 
 
-def kill_kv_store(app: App) -> None:
+def kill_kv_store(app: App, outs: list[Outcome]) -> None:
     import ray
 
     os.kill(ray.get(app.plane.store_pids.remote())[0], signal.SIGKILL)
 
 
-def kill_expert_rank(app: App) -> None:
+def kill_expert_rank(app: App, outs: list[Outcome]) -> None:
     os.kill(_pid(app, "decode", 1), signal.SIGKILL)  # AFD1+1: the DP rank, then the expert rank
 
 
-FAULTS: dict[str, tuple[str, Callable[[App], None]]] = {
+def kill_ingress_replica(app: App, outs: list[Outcome]) -> None:
+    """Kill the ingress replica that answered the first stream (Serve starts another)."""
+    import ray
+
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(f"SERVE_REPLICA::{app.name}#") and a["name"].endswith(outs[0].replica))
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+FAULTS: dict[str, tuple[str, Callable[[App, list[Outcome]], None]]] = {
     "SIGKILL decode DP rank (EPLB moving)": ("dep", kill_decode_rank),
     "SIGSTOP decode DP rank": ("dep", freeze_decode_rank),
     "SIGKILL prefill DP rank": ("dep", kill_prefill_rank),
     "SIGKILL KV store": ("dep", kill_kv_store),
     "SIGKILL expert rank (AFD)": ("afd", kill_expert_rank),
+    "SIGKILL ingress replica (1 of 2)": ("ingress", kill_ingress_replica),
 }
 
 
-def run_fault(app: App, fault: str, inject: Callable[[App], None], streams: int, osl: int, probes: int,
+def run_fault(app: App, fault: str, inject: Callable[[App, list[Outcome]], None], streams: int, osl: int, probes: int,
               hang_s: float = 180.0, seed: int = 0) -> Row:
     """One row of the matrix (see the module docstring) on a running `app`."""
     batch = prompts(streams, seed)
@@ -253,12 +283,12 @@ def run_fault(app: App, fault: str, inject: Callable[[App], None], streams: int,
     expected = [out.text for out, _ in undisturbed]
     before = ttft_p50(app.url, probes)
     idle = decode_state_in_use(app)
-    replays = replayed(app)
+    replays = replayed(app) if app.replicas == 1 else None
     runs = run_streams(app.url, batch, osl)
     for out, _ in runs:
         out.started.wait(60)
     fault_at = time.monotonic()
-    inject(app)
+    inject(app, [out for out, _ in runs])
     while True:  # until a new request gets through
         probe = stream(app.url, prompts(1, seed + 1000)[0], 1, timeout=60)
         if probe.error is None and probe.tokens == 1:
@@ -270,9 +300,9 @@ def run_fault(app: App, fault: str, inject: Callable[[App], None], streams: int,
         thread.join(max(0.0, deadline - time.monotonic()))
     outs = [out for out, _ in runs]
     settle(app)
-    failures = push_failures(app)
+    failures, recomputes = push_failures(app), recomputed(app)
     after = ttft_p50(app.url, probes)
-    failures = push_failures(app) - failures
+    failures, recomputes = push_failures(app) - failures, recomputed(app) - recomputes
     memory_back = False
     until = time.monotonic() + 30
     while time.monotonic() < until and not memory_back:
@@ -282,18 +312,22 @@ def run_fault(app: App, fault: str, inject: Callable[[App], None], streams: int,
                completed=sum(o.done and o.error is None and o.text == want for o, want in zip(outs, expected)),
                differed=sum(o.done and o.error is None and o.text != want for o, want in zip(outs, expected)),
                errored=sum(o.done and o.error is not None for o in outs), hung=sum(not o.done for o in outs),
-               replayed=round(replayed(app) - replays), recovery_s=recovery, ttft_before_ms=before,
-               ttft_after_ms=after, push_failures_after=failures, memory_back=memory_back)
+               replayed=None if replays is None else round(replayed(app) - replays), recovery_s=recovery,
+               ttft_before_ms=before, ttft_after_ms=after, push_failures_after=failures, recomputed_after=recomputes,
+               memory_back=memory_back)
 
 
 def table(rows: list[Row]) -> str:
     header = (f"{'fault':<38} {'streams':>7} {'same':>5} {'other':>5} {'error':>5} {'hung':>5} {'replayed':>8} "
-              f"{'recovery s':>10} {'TTFT before':>11} {'after ms':>9} {'ratio':>6} {'push fail':>9} {'memory':>7}")
+              f"{'recovery s':>10} {'TTFT before':>11} {'after ms':>9} {'ratio':>6} {'push fail':>9} {'recomp':>6} "
+              f"{'memory':>7}")
     lines = [header, "-" * len(header)]
     for r in rows:
+        replays = "-" if r.replayed is None else r.replayed
         lines.append(f"{r.fault:<38} {r.streams:>7} {r.completed:>5} {r.differed:>5} {r.errored:>5} {r.hung:>5} "
-                     f"{r.replayed:>8} {r.recovery_s:>10.1f} {r.ttft_before_ms:>11.0f} {r.ttft_after_ms:>9.0f} "
-                     f"{r.ttft_ratio:>6.2f} {r.push_failures_after:>9} {'idle' if r.memory_back else 'HELD':>7}")
+                     f"{replays:>8} {r.recovery_s:>10.1f} {r.ttft_before_ms:>11.0f} {r.ttft_after_ms:>9.0f} "
+                     f"{r.ttft_ratio:>6.2f} {r.push_failures_after:>9} {r.recomputed_after:>6} "
+                     f"{'idle' if r.memory_back else 'HELD':>7}")
     return "\n".join(lines)
 
 
