@@ -42,6 +42,7 @@ HEALTH_TIMEOUT_S = 5.0
 ORPHAN_S = 30.0  # a data plane whose Serve app has been gone this long shuts itself down
 PLACEMENT_TIMEOUT_S = 300.0
 REPORT_STALE_S = 5.0  # an ingress replica silent this long (gone) no longer counts in `Controller.inflight`
+HEAD_NODE = "node:__internal_head__"  # the resource only the head node has (Ray's)
 NAMESPACE = "rackserve"  # the data planes' Ray namespace, whatever namespace an ingress replica runs in
 
 
@@ -249,10 +250,14 @@ def data_plane_name(config: ServeConfig, app: str) -> str:
 
 def data_plane(config: ServeConfig, app: str):
     """The data plane actor of `config` for Serve app `app`: the running one, or a new one (detached: it
-    outlives the replica that made it). Its constructor builds the deployment; calls wait for it."""
+    outlives the replica that made it). Its constructor builds the deployment; calls wait for it.
+
+    It runs on the head node, as Serve's own controller does: the rank actors and KV stores are its
+    children and die with it, so on a worker node the loss of that one node would take the whole
+    data plane along; on the head it shares the fate of the cluster's control store (GCS) anyway."""
     actor = ray.remote(Controller).options(name=data_plane_name(config, app), namespace=NAMESPACE,
                                            lifetime="detached", get_if_exists=True, num_cpus=0,
-                                           max_concurrency=256)
+                                           resources={HEAD_NODE: 0.001}, max_concurrency=256)
     return actor.remote(config, app)
 
 
