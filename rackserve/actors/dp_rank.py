@@ -87,21 +87,20 @@ class DPRank(GangMember):
         """(this rank's NIXL agent's name, its metadata)."""
         return self.engine.kv.agent.name, self.engine.kv.agent.metadata()
 
-    def kv_connect(self, peers: list[bytes], store: tuple[bytes, list] | None = None) -> None:
-        """Learn peer agents (decode ranks to push to, KV stores to read from) and attach the KV store
-        to write prefixes to: (its metadata, this rank's inbox there as a wire region)."""
+    def kv_connect(self, peers: list[bytes], store: tuple[bytes, list] | None = None, forget: list[str] = ()) -> None:
+        """Forget the agents `forget`, which are gone (see `Engine.forget_peers`), learn peer agents
+        (decode ranks to push to, KV stores to read from) and attach the KV store to write prefixes
+        to: (its metadata, this rank's inbox there as a wire region)."""
 
         def connect(engine: Engine) -> None:
+            if forget:
+                engine.forget_peers(list(forget))
             for metadata in peers:
                 engine.kv.agent.add_peer(metadata)
             if store is not None:
                 engine.attach_store(store[0], RemoteRegion.from_wire(store[1]))
 
         self._call(connect)
-
-    def kv_forget(self, peers: list[str]) -> None:
-        """Forget the agents `peers`, which are gone (see `Engine.forget_peers`)."""
-        self._call(lambda engine: engine.forget_peers(peers))
 
     def reserve(self, request_id: str, prompt: str | list[int], params: dict, consumer: str = "") -> list | None:
         """Decode side: a reservation for a request another rank prefills (wire form), or None when

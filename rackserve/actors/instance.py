@@ -180,10 +180,8 @@ class Instance:
         """Every DP rank forgets the agents `forget` (gone) and learns `peers`; DP rank i writes
         prefixes to `stores[i]` (metadata, inbox), if given."""
         stores = stores or [None] * self.dep
-        members = self.members[:self.dep]
-        if forget:
-            ray.get([m.kv_forget.remote(list(forget)) for m in members])
-        ray.get([m.kv_connect.remote(peers, store) for m, store in zip(members, stores, strict=True)])
+        ray.get([m.kv_connect.remote(peers, store, list(forget))
+                 for m, store in zip(self.members[:self.dep], stores, strict=True)])
 
     def stats(self) -> dict:
         """The instance's shape, gang restarts so far, and every member's counters."""

@@ -110,13 +110,14 @@ class Controller:
         return {inst.name: [p["pid"] for p in inst.ping()] for inst in self.deployment.prefill + self.deployment.decode}
 
     def store_pids(self) -> list[int | None]:
-        """Every KV store's process id (None: dead)."""
+        """Every KV store's process id (None: dead, or no answer within HEALTH_TIMEOUT_S)."""
         refs = [store.ping.remote() for store in self.deployment.stores]
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
         pids = []
         for ref in refs:
             try:
-                pids.append(ray.get(ref, timeout=HEALTH_TIMEOUT_S))
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pids.append(ray.get(ref) if ref in answered else None)
+            except ray.exceptions.RayActorError:
                 pids.append(None)
         return pids
 
@@ -133,19 +134,12 @@ class Controller:
                 continue
             why = diagnose(inst.members, inst.dep, HEALTH_TIMEOUT_S)
             instances[inst.name] = f"{why}; the gang restarts within seconds" if why else "ok"
-        refs = [store.ping.remote() for store in dep.stores]
-        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
-        live = 0
-        for ref in answered:
-            try:
-                ray.get(ref)
-                live += 1
-            except ray.exceptions.RayActorError:
-                pass
+        pids = self.store_pids()
+        live = sum(pid is not None for pid in pids)
         rates = self.window.rates()
-        status, reasons = health.status(instances, [i.name for i in dep.decode], live, len(refs), rates)
+        status, reasons = health.status(instances, [i.name for i in dep.decode], live, len(pids), rates)
         return {"status": status, "healthy": status != "unhealthy", "reasons": reasons, "instances": instances,
-                "kv_stores": f"{live}/{len(refs)}", "kv_stores_replaced": dep.stores_replaced, **rates}
+                "kv_stores": f"{live}/{len(pids)}", "kv_stores_replaced": dep.stores_replaced, **rates}
 
     def _sample(self) -> None:
         """Feed the transfer counters to the health window every `health.SAMPLE_S`."""
