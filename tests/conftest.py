@@ -181,31 +181,39 @@ RACKS, TRAYS, GPUS_PER_TRAY = 2, 2, 2
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
-    from ray.cluster_utils import Cluster
 
-    from rackserve.actors.cluster import WORKER_ENV
+    from rackserve.bench.rack_cluster import RackCluster
     from rackserve.serve.ingress import direct_ingress_env
 
-    node = {"num_cpus": 1, "num_gpus": GPUS_PER_TRAY, "object_store_memory": 80 << 20}
-    labels = [{"rackserve.io/rack": f"rack{r}", "rackserve.io/tray": f"tray{t}"}
-              for r in range(RACKS) for t in range(TRAYS)]
-    direct_port, saved = free_ports(5), dict(os.environ)  # apps=4: ports port … port + 4
-    # the nodes' processes inherit these, this one need not: workers at normal priority (a loaded
-    # machine starves Ray's default nice 15), direct ingress for up to four replicas at once (test_serve
-    # runs two apps, test_serve_scale_out two replicas and their replacements; a port whose server side
-    # closed connections stays unusable to Serve for a minute)
-    os.environ.update({**WORKER_ENV, **direct_ingress_env(direct_port, apps=4, load_balanced=False)})
-    try:
-        cluster = Cluster(initialize_head=True, head_node_args={**node, "labels": labels[0]})
-        for lab in labels[1:]:
-            cluster.add_node(**node, labels=lab)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    # the nodes' processes get these, this one need not: direct ingress for up to four replicas at once
+    # (test_serve runs two apps, test_serve_scale_out two replicas and their replacements; a port whose
+    # server side closed connections stays unusable to Serve for a minute)
+    direct_port = free_ports(5)  # apps=4: ports port … port + 4
+    cluster = RackCluster(RACKS, TRAYS, GPUS_PER_TRAY, env=direct_ingress_env(direct_port, apps=4,
+                                                                              load_balanced=False))
     cluster.direct_port = direct_port
-    cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster
     ray.shutdown()
     cluster.shutdown()
 
+
+# ---- the fault matrix (`rackserve.bench.faults`) ----------------------------------------------------------
+RECOVERY_S = 60.0  # a gang restart is seconds unloaded; a frozen rank adds the gang timeout, a lost node Ray's ~15 s
+
+
+def assert_recovered(row, replayed: bool | None) -> None:
+    """A `faults.Row` met every target: no stream hung, each completed with its undisturbed text
+    (`replayed`: every one replayed, False: none, None: not checked), new requests succeeded within RECOVERY_S, TTFT p50
+    after within 1.5x before (+ 50 ms: probes of tens of ms on a shared machine), no push failed and no
+    decode rank recomputed after recovery, and the decode state memory is back to its idle level."""
+    from rackserve.bench import faults
+
+    assert row.hung == 0, row
+    assert row.completed == row.streams, row  # nothing lost, nothing changed
+    if replayed is not None:
+        assert (row.replayed == row.streams) if replayed else (row.replayed == 0), row
+    assert row.recovery_s < RECOVERY_S, row
+    assert row.ttft_after_ms <= faults.TTFT_TARGET * row.ttft_before_ms + 50, row
+    assert row.push_failures_after == 0 and row.recomputed_after == 0, row  # pushes land again
+    assert row.memory_back, row

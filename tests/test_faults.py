@@ -7,21 +7,20 @@ Each row: no stream hangs, every stream completes with its undisturbed greedy te
 decode gang failed) or, for none here, ends with an error; new requests succeed again; TTFT p50 after
 recovery within 1.5x before (with 50 ms of slack: probes of tens of ms on a shared machine); after
 recovery no push fails and no decode rank recomputes a prefill; the decode state memory in use returns
-to its idle level. An ingress replica's death is `test_serve_scale_out.py`'s.
+to its idle level. An ingress replica's death is `test_serve_scale_out.py`'s, a node's `test_node_loss.py`'s.
 """
 
 from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import assert_recovered, free_port
 from ray import serve
 
 from rackserve.bench import faults
 from rackserve.serve.app import delete
 
 STREAMS, OSL, PROBES = 6, 32, 8
-RECOVERY_S = 60.0  # a gang restart is seconds unloaded; a frozen rank adds the gang timeout (6 s)
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +36,6 @@ def dep_app(port, tiny_checkpoint):
     app = faults.start_app("faults-dep", {**faults.APPS["dep"], "model": str(tiny_checkpoint)}, port)
     yield app
     delete(app.name)
-
-
-def assert_recovered(row: faults.Row, replayed: bool) -> None:
-    assert row.hung == 0, row
-    assert row.completed == row.streams, row  # nothing lost, nothing changed
-    assert (row.replayed == row.streams) if replayed else (row.replayed == 0), row
-    assert row.recovery_s < RECOVERY_S, row
-    assert row.ttft_after_ms <= faults.TTFT_TARGET * row.ttft_before_ms + 50, row
-    assert row.push_failures_after == 0 and row.recomputed_after == 0, row  # pushes land again
-    assert row.memory_back, row
 
 
 @pytest.mark.slow

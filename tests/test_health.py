@@ -8,13 +8,15 @@ from rackserve.serve.health import WINDOW_S, TransferCounts, TransferWindow, sta
 RATES_OK = {"push_failure_rate": 0.0, "recompute_rate": 0.0}
 
 
-def test_down_instances_are_unhealthy_restarting_ones_and_dead_stores_degraded():
+def test_no_decode_instance_serving_is_unhealthy_any_other_loss_degraded():
     ok = {"prefill0": "ok", "decode0": "ok"}
     assert status(ok, ["decode0"], 1, 1, RATES_OK) == ("healthy", [])
     verdict, why = status({**ok, "prefill0": "DP rank 0 died"}, ["decode0"], 1, 1, RATES_OK)
-    assert verdict == "unhealthy" and why == ["prefill0: DP rank 0 died"]
+    assert verdict == "degraded" and why == ["prefill0: DP rank 0 died"]  # decode prefills meanwhile
     verdict, why = status({**ok, "decode0": "restarting"}, ["decode0"], 1, 1, RATES_OK)
-    assert verdict == "unhealthy" and why == ["no decode instance is serving"]
+    assert verdict == "unhealthy" and why == ["no decode instance is serving", "decode0: its gang is restarting"]
+    verdict, why = status({**ok, "decode1": "down: no room"}, ["decode0", "decode1"], 1, 1, RATES_OK)
+    assert verdict == "degraded" and why == ["decode1: down: no room"]
     verdict, why = status({**ok, "decode1": "restarting"}, ["decode0", "decode1"], 0, 1, RATES_OK)
     assert verdict == "degraded"
     assert why == ["decode1: its gang is restarting", "1 of 1 KV stores down (being replaced)"]

@@ -9,10 +9,22 @@ import ray
 from conftest import GPUS_PER_TRAY, RACKS, TRAYS
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rackserve.placement import InstanceGroup, PlacementSpec, Rack, Topology, Tray, plan
+from rackserve.placement import (
+    RACK_LABEL,
+    TRAY_LABEL,
+    InstanceGroup,
+    KVStore,
+    PlacementSpec,
+    Rack,
+    Topology,
+    Tray,
+    plan,
+)
 from rackserve.placement.ray_groups import (
+    alive_trays,
     bundles,
     kv_store_options,
+    live_topology,
     placement_groups,
     remove,
     topology_from_ray,
@@ -72,3 +84,30 @@ def test_bundles_pin_each_gpu_by_label():
     bs, selectors = bundles(p.instances[0], {"GPU": 1, "CPU": 2})
     assert bs == [{"GPU": 1, "CPU": 2}] * 3
     assert selectors == [{"rackserve.io/rack": "rack0", "rackserve.io/tray": t} for t in ("tray0", "tray0", "tray1")]
+
+
+def test_an_unplaceable_gang_gives_up_within_its_bound_saying_what_it_waits_for(ray_cluster, monkeypatch):
+    from rackserve.actors import gang_supervisor
+    from rackserve.actors.faults import UnplacedError
+    from rackserve.actors.instance import Instance
+
+    monkeypatch.setattr(gang_supervisor, "START_S", 2.0)  # the first start's bound on placement
+    elsewhere = Topology((Rack("rack9", (Tray("tray0", 2),)),))  # no node has these labels
+    p = plan(elsewhere, PlacementSpec((InstanceGroup("prefill", 1, 1),)))
+    groups = placement_groups(p, name_prefix="test")
+    try:
+        with pytest.raises(UnplacedError, match=r"its placement group is not placed after 2 s .*a node with those"):
+            Instance.from_plan(p.instances[0], groups[p.instances[0].name], timeout=10)
+    finally:
+        remove(groups)
+
+
+def test_a_lost_tray_leaves_the_live_topology_and_its_kv_store_moves_to_its_rack(ray_cluster):
+    alive = alive_trays()
+    assert alive == {(f"rack{r}", f"tray{t}") for r in range(RACKS) for t in range(TRAYS)}
+    assert live_topology(Topology.uniform(3, 2, 2)).racks == Topology.uniform(RACKS, TRAYS, 2).racks  # rack2 has none
+    store = KVStore("rack0", "tray1")
+    assert kv_store_options(store, alive=alive)["label_selector"] == {RACK_LABEL: "rack0", TRAY_LABEL: "tray1"}
+    without = alive - {("rack0", "tray1")}
+    assert kv_store_options(store, alive=without)["label_selector"] == {RACK_LABEL: "rack0"}
+    assert "label_selector" not in kv_store_options(store, alive={("rack1", "tray0")})  # its rack is gone

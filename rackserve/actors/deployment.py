@@ -26,25 +26,30 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from rackserve.actors.deployment_client import DeploymentClient
-from rackserve.actors.faults import GANG_ERRORS, member_name
+from rackserve.actors.faults import GANG_ERRORS, InstanceError, UnplacedError, member_name
+from rackserve.actors.gang_supervisor import START_S
 from rackserve.actors.instance import Instance
 from rackserve.actors.kv_store import KVStore
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import Completion, RequestOutput, SamplingParams
 from rackserve.models import resolve
 from rackserve.models.tokenizer import Tokenizer
-from rackserve.placement import InstanceGroup
+from rackserve.placement import InstanceGroup, PlacementError, TopologyError
+from rackserve.placement import plan as plan_instances
 from rackserve.placement.planner import Plan
-from rackserve.placement.ray_groups import kv_store_options
+from rackserve.placement.ray_groups import alive_trays, kv_store_options, live_topology, placement_group_of
 from rackserve.serve.router import RankKey
 
 log = logging.getLogger(__name__)
 LOAD_PERIOD_S = 0.2  # how often the owner gathers the ranks' load reports
+LOAD_STALE_S = 3.0  # a rank whose load report is this old is not routed to (its node may be gone)
 WATCH_S = 1.0  # how often the owner looks for dead KV stores and failed gangs (to replace them)
 STORE_PING_S = 5.0  # a store that answers no ping this long is busy, not dead: it is left alone
 
@@ -110,7 +115,8 @@ class Deployment:
         extra expert slots (EPLB replicas) per decode instance. With a `plan` (`placement.plan`) and
         its `placement_groups` (`placement.ray_groups`, made with `bundle_resources`), the instances
         and KV stores are the plan's, each rank and store where the plan put it; `prefill`, `decode`
-        and `kv_stores` are then the plan's too."""
+        and `kv_stores` are then the plan's too. An instance whose group loses a node is re-planned
+        onto free GPUs (`_replan`): the deployment then holds its new group (`placement_groups`)."""
         groups = [InstanceGroup.parse(prefill, "prefill"), InstanceGroup.parse(decode, "decode")]
         if plan is None and (groups[0].count < 1 or groups[1].count < 1):
             raise ConfigError(f"prefill={prefill!r}, decode={decode!r}: a deployment needs at least one of each")
@@ -132,6 +138,9 @@ class Deployment:
             return ray.remote(KVStore).options(**options).remote(self.path, store_memory_mb,
                                                                  engine_kwargs=store_kwargs, name=f"kvstore{i}-{tag}")
 
+        self.plan, self.placement_groups = plan, dict(placement_groups or {})
+        self._bundle_resources = bundle_resources
+        self._placing = threading.Lock()  # one re-plan at a time
         if plan is None:
             self._store_options = [{}] * kv_stores
             makers = [(g.role, functools.partial(Instance, self.path, dep=g.size, expert_ranks=g.expert_ranks,
@@ -142,7 +151,8 @@ class Deployment:
             if not {"prefill", "decode"} <= {p.role for p in plan.instances}:
                 raise ConfigError("the plan needs at least one prefill and one decode instance")
             makers = [(p.role, functools.partial(Instance.from_plan, p, placement_groups[p.name], self.path,
-                                                 bundle_resources, **common, **role_kwargs[p.role]))
+                                                 bundle_resources, **common, **role_kwargs[p.role],
+                                                 replace_placement=functools.partial(self._replan, p.name)))
                       for p in plan.instances]
             self._store_options = [kv_store_options(s, num_cpus=0) for s in plan.kv_stores]
             self.stores = [new_store(i, options) for i, options in enumerate(self._store_options)]
@@ -210,14 +220,17 @@ class Deployment:
     def _decode_agents(self) -> list[bytes]:
         return [meta for (name, _), (_, meta) in self._agents.items() if name in {i.name for i in self.decode}]
 
-    def _refresh_store_agents(self) -> None:
-        """Learn the agents of the KV stores not yet known; a store found dead is counted so (call under `_wiring`)."""
+    def _refresh_store_agents(self, timeout: float | None = None) -> None:
+        """Learn the agents of the KV stores not yet known, waiting up to `timeout` s for each (a store
+        not started by then is tried again later); a store found dead is counted so (call under `_wiring`)."""
         for k, store in enumerate(self.stores):
             if k not in self._store_agents and k not in self.dead_stores:
                 try:
-                    self._store_agents[k] = tuple(ray.get(store.metadata.remote()))
+                    self._store_agents[k] = tuple(ray.get(store.metadata.remote(), timeout=timeout))
                 except ray.exceptions.RayActorError:
                     self.dead_stores.add(k)
+                except ray.exceptions.GetTimeoutError:
+                    log.warning("KV store %d has not started after %.0f s; trying again later", k, timeout)
 
     def _link(self, key: RankKey) -> tuple[bytes, list] | None:
         """The KV store DP rank `key` writes to (the one it had, while it lives; else round robin over
@@ -245,12 +258,15 @@ class Deployment:
                     except ray.exceptions.GetTimeoutError:
                         pass  # busy, not dead: a store is only a cache, let it be
             replaced = sorted(self.dead_stores)
+            alive = alive_trays() if replaced and self.plan is not None else None
             for k in replaced:
                 ray.kill(self.stores[k])
+                if alive is not None:  # its tray's node may be gone with it: then near it, or anywhere
+                    self._store_options[k] = kv_store_options(self.plan.kv_stores[k], num_cpus=0, alive=alive)
                 self.stores[k] = self._new_store(k, self._store_options[k])
                 gone = self._store_agents.pop(k, None)
                 self.dead_stores.discard(k)
-                self._refresh_store_agents()
+                self._refresh_store_agents(timeout=START_S)
                 if k not in self._store_agents:  # the replacement did not start either: try again later
                     continue
                 self.stores_replaced += 1
@@ -276,6 +292,25 @@ class Deployment:
                 "prefill": [(i.name, i.dep, f"{i.shape} instance {i.name!r}") for i in self.prefill],
                 "stores": list(self.stores), "rank_store": dict(self._rank_store), "path": self.path}
 
+    def _replan(self, name: str) -> PlacementGroup:
+        """A new placement group (not yet placed) for instance `name`, whose group lost a node: the plan
+        made again on the trays that have a node now, keeping every other instance where it is
+        (`plan(previous=...)`), puts it on free GPUs; its old group is removed. Raises `UnplacedError`
+        (the old group kept: Ray re-places it once a node of its tray joins) if there is no room."""
+        with self._placing:
+            before = self.plan.instance(name)
+            try:
+                placed = plan_instances(live_topology(self.plan.topology), self.plan.spec, previous=self.plan)
+            except (PlacementError, TopologyError) as e:
+                raise UnplacedError(f"instance {name!r} lost a node and there is no room to place it elsewhere ({e}); "
+                                    f"it starts again once a node of its trays ({before.trays}) joins") from None
+            after = placed.instance(name)
+            remove_placement_group(self.placement_groups[name])
+            group = self.placement_groups[name] = placement_group_of(after, self._bundle_resources)
+            self.plan = replace(self.plan, instances=tuple(after if i.name == name else i for i in self.plan.instances))
+            log.warning("instance %r lost a node: re-planned from %s to %s", name, before.trays, after.trays)
+            return group
+
     def _instance(self, name: str) -> Instance:
         return next(i for i in self.prefill + self.decode if i.name == name)
 
@@ -288,22 +323,29 @@ class Deployment:
         return self._instance(name).gang_failed(name, generation, why)
 
     def loads(self) -> dict[RankKey, dict]:
-        """The DP ranks' latest load reports, gathered every `LOAD_PERIOD_S`."""
+        """The DP ranks' latest load reports, gathered every `LOAD_PERIOD_S`, each with its gang's
+        `generation`; a rank of a gang restarting or down, or silent for `LOAD_STALE_S`, has none (routers
+        send it nothing while another can take it)."""
         return self._loads
 
     def _gather_loads(self) -> None:
+        seen: dict[RankKey, float] = {}  # when each rank last answered
         while not self._closed:
-            members = [(inst.name, rank, m) for inst in self.prefill + self.decode
-                       for rank, m in enumerate(inst.members_of()[1][:inst.dep])]
+            members = [(inst.name, rank, generation, m) for inst in self.prefill + self.decode
+                       if not (inst.restarting or inst.down)
+                       for generation, gang in [inst.members_of()] for rank, m in enumerate(gang[:inst.dep])]
             refs = [m.load.remote() for *_, m in members]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
-            loads = dict(self._loads)
-            for (name, rank, _), ref in zip(members, refs, strict=True):
+            loads, now = {}, time.monotonic()
+            for (name, rank, generation, _), ref in zip(members, refs, strict=True):
                 if ref in ready:
                     try:
-                        loads[(name, rank)] = ray.get(ref)
-                    except ray.exceptions.RayError:  # a failed gang: its clients restart it
-                        loads.pop((name, rank), None)
+                        loads[(name, rank)] = {**ray.get(ref), "generation": generation}
+                        seen[(name, rank)] = now
+                    except ray.exceptions.RayError:  # a failed gang: its clients or the watcher restart it
+                        continue
+                elif (name, rank) in self._loads and now - seen.get((name, rank), now) < LOAD_STALE_S:
+                    loads[(name, rank)] = self._loads[(name, rank)]  # slow to answer this time
             self._loads = loads
             time.sleep(LOAD_PERIOD_S)
 
@@ -324,8 +366,10 @@ class Deployment:
                 log.exception("mending the deployment failed; trying again in %.0f s", WATCH_S)
 
     def restart_failed_gangs(self) -> list[str]:
-        """Restart every gang with a member that died or whose step loop failed (a peer lost); a member
-        that is only slow to answer is left to the gang's own timeout. The instances restarted."""
+        """Restart every gang with a member that died or whose step loop failed (a peer lost), and every
+        instance down (its last start failed); a member that is only slow to answer is left to the gang's
+        own timeout. The instances restarted (an instance that could not start is logged, and tried again
+        at the next call)."""
         restarted = []
         for inst in self.prefill + self.decode:
             if inst.restarting or self._closed:
@@ -339,8 +383,13 @@ class Deployment:
                 except ray.exceptions.RayActorError:
                     error = f"{member_name(i, inst.dep)} died"
                 if error:
-                    inst.gang_failed(inst.name, generation, error)
-                    restarted.append(inst.name)
+                    was = inst.down
+                    try:
+                        inst.gang_failed(inst.name, generation, error)
+                        restarted.append(inst.name)
+                    except InstanceError as e:  # e.g. no room to place it: the next call tries again
+                        if str(e) != was:
+                            log.warning("%s", e)
                     break
         return restarted
 

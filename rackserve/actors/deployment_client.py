@@ -15,8 +15,9 @@ and KV stores and keeps them alive; a client, one per process that takes request
 Anything failing on the way (a transfer, a prefill instance, a KV store) costs recomputation on the
 decode rank, not the request. A decode gang that fails is restarted by its owner, and its requests
 are *replayed*: each is submitted again with its prompt followed by the tokens already streamed as
-the new prompt (and that many fewer tokens to generate), on whichever decode rank the router picks,
-and its stream goes on from there; the caller sees a pause, not an error. A greedy request's
+the new prompt (and that many fewer tokens to generate), on whichever decode rank the router picks
+(another instance's at once, if there is one serving: the failed one is avoided until its fresh
+gang is up), and its stream goes on from there; the caller sees a pause, not an error. A greedy request's
 output is the one an undisturbed run gives (the replayed prompt is prefilled instead of decoded,
 which changes only the floats' summation order); a seeded sampled one goes on with other random
 draws (its sampler's counter restarts). Text held back at the failure for a possible stop string
@@ -117,9 +118,15 @@ class DeploymentClient:
 
     # ---- loads -------------------------------------------------------------------------------------
     def _refresh_loads(self) -> None:
+        """Take the owner's load reports; an instance reported with a gang newer than ours (restarted
+        by another client or the owner) is taken up, so that it is routed to again."""
         loads = self.owner.loads()
         with self._lock:
             self.router.update(loads)
+        for (name, _), load in loads.items():
+            client = self.decode.get(name) or self.prefill.get(name)
+            if client is not None and load.get("generation", -1) > client.generation:
+                client.refresh()
 
     def _load_loop(self) -> None:
         while not self._closed:
@@ -169,8 +176,9 @@ class DeploymentClient:
 
     def _place(self, route: _Route, ids: list[int], params: SamplingParams) -> None:
         """Reserve a decode rank for `route`'s request (prompt `ids`) and have a prefill rank push it there."""
+        failed = {name for name, client in self.decode.items() if not client.serving}
         with self._lock:
-            decode_at = route.decode = self.router.decode_rank(route.session, len(ids) + params.max_tokens)
+            decode_at = route.decode = self.router.decode_rank(route.session, len(ids) + params.max_tokens, failed)
             route.prefill = None
         _, reservation = self.decode[decode_at[0]].reserve(ids, params, route.engine_id, rank=decode_at[1])
         if reservation is not None and self.prefill:

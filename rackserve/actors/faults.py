@@ -25,6 +25,11 @@ class InstanceError(RuntimeError):
     """The instance's gang failed under a request; the message names the member and what to do."""
 
 
+class UnplacedError(InstanceError):
+    """The instance's gang cannot start now: its members have nowhere to run (their placement group lost
+    a node and there is no room to re-plan it). The message names what it waits for."""
+
+
 def member_name(i: int, dep: int) -> str:
     """Gang member `i` of an instance with `dep` DP ranks (members `0 … dep-1`, then expert ranks)."""
     return f"DP rank {i}" if i < dep else f"expert rank {i}"

@@ -25,7 +25,7 @@ failure first), so the next requests are served.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import ray
@@ -46,13 +46,15 @@ from rackserve.placement import planner, rebalance
 class Instance:
     def __init__(self, model: str | Path = "tiny", dep: int = 2, expert_ranks: int = 0, redundant_slots: int = 0,
                  engine_kwargs: dict | None = None, actor_options: dict | None = None, timeout: float = 30.0,
-                 placement_group: PlacementGroup | None = None, name: str = "instance", kv: bool = False):
+                 placement_group: PlacementGroup | None = None, name: str = "instance", kv: bool = False,
+                 replace_placement: Callable[[], PlacementGroup] | None = None):
         """`dep` DP ranks; `expert_ranks` > 0: attention–FFN split mode with that many expert
         ranks; `redundant_slots`: extra expert slots (replicas) over the instance; `engine_kwargs`:
         `EngineConfig` fields of every rank; `actor_options`: Ray options of every member; with a
         `placement_group` (one bundle per member, as `placement.ray_groups` makes them) member i runs
         in bundle i; `timeout` (s): a member silent this long fails the gang; `kv`: give every DP
-        rank a NIXL agent, for disaggregated prefill/decode (see `Deployment`)."""
+        rank a NIXL agent, for disaggregated prefill/decode (see `Deployment`); `replace_placement`: a new,
+        placed group when the group lost a node (see `GangSupervisor`)."""
         if not isinstance(dep, int) or dep < 1:
             raise ConfigError(f"dep={dep!r} must be an integer ≥ 1 (the number of DP ranks)")
         if not isinstance(expert_ranks, int) or expert_ranks < 0:
@@ -83,7 +85,7 @@ class Instance:
         self.on_restart = None  # called with the instance after its gang restarted (e.g. to reconnect KV peers)
         label = f"{self.shape} instance {self.name!r}"
         self._gang = GangSupervisor(label, dep, self.world, self._spec, timeout, actor_options, placement_group,
-                                    on_restart=self._restarted)
+                                    on_restart=self._restarted, replace_placement=replace_placement)
         self.client = InstanceClient(self.name, dep, self, label)
 
     @classmethod
@@ -117,6 +119,16 @@ class Instance:
     def restarting(self) -> bool:
         """Whether its gang is being replaced right now."""
         return self._gang.restarting
+
+    @property
+    def down(self) -> str | None:
+        """Why its gang is not running (its last start failed: e.g. no room to place it), else None."""
+        return self._gang.down
+
+    @property
+    def placement_group(self) -> PlacementGroup | None:
+        """The placement group its gang runs in (a new one after a lost node was re-planned)."""
+        return self._gang.placement_group()
 
     @property
     def members(self) -> list:

@@ -16,10 +16,12 @@ of all of this client's requests there and puts each request's into its `OutputS
 `stream` and `astream` read; so a rank answers one poll per client at a time however many requests
 it runs.
 
-Faults: a call or poll that finds the gang failed asks the owner (`GangOwner.gang_failed`) to
-restart it (once, however many clients find it), ends the streams of that gang's requests with the
-owner's reason, and takes the fresh gang's handles (`GangOwner.members_of`); a submit is then
-retried on the fresh gang (`faults.retry_after_restart`).
+Faults: a poll that finds the gang failed ends the streams of that gang's requests on the rank with
+the reason (`faults.diagnose`) at once — their callers may go on elsewhere (a deployment replays
+them) — and then asks the owner (`GangOwner.gang_failed`) to restart it (once, however many clients
+find it) and takes the fresh gang's handles (`GangOwner.members_of`); a call that finds it failed
+does the same and is retried on the fresh gang (`faults.retry_after_restart`). Until then the
+client is not `serving`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Protocol
 
 import ray
 
-from rackserve.actors.faults import GANG_ERRORS, InstanceError, retry_after_restart
+from rackserve.actors.faults import GANG_ERRORS, InstanceError, diagnose, retry_after_restart
 from rackserve.actors.output_stream import OutputStream
 from rackserve.engine import RequestOutput, SamplingParams
 
@@ -58,15 +60,22 @@ class InstanceClient:
         self.consumer = consumer or f"{name}-{secrets.token_hex(6)}"
         self._lock = threading.Lock()  # the view (generation, members) and the pumps running
         self.generation, self.members = owner.members_of(name)
+        self.failed = -1  # the latest gang generation found failed
         self._pumps: set[tuple[int, int]] = set()  # (generation, DP rank) with a pump running
         self._streams: dict[str, OutputStream] = {}  # request id -> its outputs' stream (DP rank, gang generation)
         self._streams_lock = threading.Lock()  # held only to read or change `_streams`, never across a call
         self._closed = False
 
     # ---- the gang ------------------------------------------------------------------------------------
+    @property
+    def serving(self) -> bool:
+        """False from finding its gang failed until taking a fresh one."""
+        return self.failed < self.generation
+
     def _failed(self, generation: int, cause: BaseException | str) -> str:
         """Gang `generation` failed under us: the owner restarts it (if nobody has yet) and says why;
         then take the fresh gang's handles."""
+        self.failed = max(self.failed, generation)
         why = self._owner.gang_failed(self.name, generation, cause if isinstance(cause, str) else
                                       f"{type(cause).__name__}: {cause}")
         self.refresh()
@@ -179,10 +188,10 @@ class InstanceClient:
         """A pump for DP rank `rank` of gang `generation`, unless one runs (call under `_lock`)."""
         if (generation, rank) not in self._pumps:
             self._pumps.add((generation, rank))
-            threading.Thread(target=self._pump, args=(generation, rank, self.members[rank]), daemon=True,
+            threading.Thread(target=self._pump, args=(generation, rank, self.members), daemon=True,
                              name=f"{self.consumer}-g{generation}-pump{rank}").start()
 
-    def _pump(self, generation: int, rank: int, member) -> None:
+    def _pump(self, generation: int, rank: int, members: list) -> None:
         """The output pump of DP rank `rank` of gang `generation`: long-polls the rank for this
         client's outputs and puts each request's into its stream, until the gang fails (it then ends
         the streams of the rank's requests with the owner's reason, after the restart), the client has
@@ -190,14 +199,18 @@ class InstanceClient:
         client closes."""
         while not self._closed:
             try:
-                ready = ray.get(member.poll_all.remote(POLL_TIMEOUT_S, self.consumer))
+                ready = ray.get(members[rank].poll_all.remote(POLL_TIMEOUT_S, self.consumer))
             except ray.exceptions.RayError as e:  # the rank or its gang failed, or it was shut down
                 if not self._closed:
-                    why = f"{self.shape} failed and did not restart; check the members' logs"
+                    self.failed = max(self.failed, generation)
+                    why = diagnose(members, self.dep) or f"{type(e).__name__}: {e}"
+                    # first: a restart may take long (a lost node: the group re-planned, the model loaded)
+                    self.end_streams(generation, rank, f"{self.shape} failed: {why}. The instance restarts its gang; "
+                                                       "resubmit the request")
                     try:
-                        why = f"{self._failed(generation, e)}. The instance restarted its gang; resubmit the request"
-                    finally:  # whatever the restart did, no reader waits forever
-                        self.end_streams(generation, rank, why)
+                        self._failed(generation, e)
+                    except Exception:  # noqa: BLE001 - not started (no room?): a call or the owner tries again
+                        pass
                 break
             with self._streams_lock:
                 for request_id, outs in ready.items():

@@ -1,11 +1,14 @@
 """Faults over HTTP: what each kind of failure costs the requests in flight, and the service after it.
 
-    python -m rackserve.bench.faults [--streams 8] [--osl 48] [--probes 10] [--port 8000]
+    python -m rackserve.bench.faults [--streams 8] [--osl 48] [--probes 20] [--port 8000]
 
-Three Serve apps of the tiny model, one after the other, each with one DEP1 prefill instance and one
-KV store: "dep" decodes on a DEP2 instance whose EPLB re-places the experts every 2 steps (2
-redundant slots), "afd" on an attention–FFN split AFD1+1 instance, "ingress" on a DEP1 instance
-behind two ingress replicas. Per fault, in turn:
+It starts a local cluster of 2 racks x 2 trays (`RackCluster`: four Ray nodes on this host, 2
+logical GPUs each) and runs four Serve apps of the tiny model on it, one after the other, each with
+one DEP1 prefill instance: "dep" decodes on a DEP2 instance whose EPLB re-places the experts every 2
+steps (2 redundant slots), "afd" on an attention–FFN split AFD1+1 instance, "ingress" on a DEP1
+instance behind two ingress replicas (these three with one KV store); "node" on two DEP2 instances
+placed by the rack planner (one per tray, a KV store per tray, the ingress replica on the head node).
+Per fault, in turn:
 
 1. TTFT before: p50 of --probes sequential 1-token streamed requests;
 2. --streams concurrent greedy streams (distinct prompts of 24 token ids, --osl tokens, EOS ignored),
@@ -14,7 +17,10 @@ behind two ingress replicas. Per fault, in turn:
 3. once every stream has its first text, the fault: SIGKILL of a decode DP rank (with EPLB moving
    experts every other step, so within a step of a move), SIGSTOP of a decode DP rank (found by the
    gang's timeout; the restart kills it), SIGKILL of the prefill DP rank, of the KV store, of the
-   expert rank of the split instance, of the ingress replica that took the first stream;
+   expert rank of the split instance, of the ingress replica that took the first stream; the loss of
+   the node (tray) of the second decode instance, with its KV store (Ray declares the node dead after
+   its health checks miss, ~15 s; the instance is re-planned onto the free tray, the store replaced
+   in its rack; the node joins again after the row);
 4. each stream: completed with the undisturbed text, completed with other text, ended with an error
    (an error event, or cut off before its [DONE]), or hung (no end within --hang-s); "replayed"
    counts the requests the ingress replayed (its `rackserve_replayed_requests`; not counted with two
@@ -24,8 +30,7 @@ behind two ingress replicas. Per fault, in turn:
    the reservations recomputed on decode ranks during those requests (target: 0 each), and whether
    the decode instances' state memory in use came back to its idle level (nothing leaked).
 
-The loss of a whole Ray node is not in the matrix (see the README's "Faults and recovery"). The
-last line of output is one JSON object.
+The last line of output is one JSON object.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from rackserve.bench import script
+from rackserve.bench.rack_cluster import RackCluster
 from rackserve.bench.metrics import percentile
 
 ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "state_memory_mb": 32, "kv_pool_mb": 8,
@@ -54,6 +60,11 @@ APPS = {
             "store_memory_mb": 16, "engine": ENGINE, "timeout": 6.0},
     "ingress": {"model": "tiny", "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "1xDEP1", "kv_stores": 1,
                 "store_memory_mb": 16, "engine": ENGINE, "timeout": 6.0, "num_ingress_replicas": 2},
+    # on a RackCluster: the instances on the head's tray (decode 0), the next (decode 1), rack1's first
+    # (prefill); the HTTP tier on the head node, as on CPU nodes of its own, so a tray's loss spares it
+    "node": {"model": "tiny", "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "2xDEP2",
+             "topology": "ray", "kv_stores": "per_tray", "store_memory_mb": 16, "engine": ENGINE, "timeout": 6.0,
+             "ingress_resources": {"node:__internal_head__": 0.001}},
 }
 PROMPT_LEN = 24
 TTFT_TARGET = 1.5  # TTFT p50 after recovery within this many times the TTFT before
@@ -67,6 +78,7 @@ class App:
     url: str
     plane: object
     replicas: int = 1  # ingress replicas
+    cluster: RackCluster | None = None  # the cluster it runs on, when this process started it (nodes can be lost)
 
 
 @dataclass
@@ -106,8 +118,9 @@ class Row:
         return self.ttft_after_ms / self.ttft_before_ms
 
 
-def start_app(name: str, settings: dict, port: int) -> App:
-    """Serve app `name` of `settings` under /`name` on Serve's proxy at `port`, once it serves."""
+def start_app(name: str, settings: dict, port: int, cluster: RackCluster | None = None) -> App:
+    """Serve app `name` of `settings` under /`name` on Serve's proxy at `port`, once it serves;
+    `cluster`: the `RackCluster` it runs on, for faults that remove a node."""
     import ray
     from ray import serve
 
@@ -121,7 +134,7 @@ def start_app(name: str, settings: dict, port: int) -> App:
     ingress.wait_until_serving(url)
     config = ServeConfig.from_dict(settings)
     plane = ray.get_actor(data_plane_name(config, name), namespace=NAMESPACE)
-    return App(name, url, plane, config.num_ingress_replicas)
+    return App(name, url, plane, config.num_ingress_replicas, cluster)
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome | None = None, timeout: float = 120.0) -> Outcome:
@@ -261,6 +274,18 @@ def kill_ingress_replica(app: App, outs: list[Outcome]) -> None:
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
 
+def lose_decode_node(app: App, outs: list[Outcome]) -> None:
+    """Kill the node of the last decode instance's tray at once, everything on it with it (its ranks,
+    a KV store): what a tray's crash does. `app.cluster.restore()` brings a node of that tray back."""
+    import ray
+
+    trays = ray.get(app.plane.trays.remote())
+    tray = trays[max(name for name in trays if name.startswith("decode"))][0]
+    if tray == "rack0/tray0":
+        raise RuntimeError("the last decode instance shares the head node's tray; losing it would end the cluster")
+    app.cluster.remove_tray(*tray.split("/"))
+
+
 FAULTS: dict[str, tuple[str, Callable[[App, list[Outcome]], None]]] = {
     "SIGKILL decode DP rank (EPLB moving)": ("dep", kill_decode_rank),
     "SIGSTOP decode DP rank": ("dep", freeze_decode_rank),
@@ -268,6 +293,7 @@ FAULTS: dict[str, tuple[str, Callable[[App, list[Outcome]], None]]] = {
     "SIGKILL KV store": ("dep", kill_kv_store),
     "SIGKILL expert rank (AFD)": ("afd", kill_expert_rank),
     "SIGKILL ingress replica (1 of 2)": ("ingress", kill_ingress_replica),
+    "node loss (a decode tray)": ("node", lose_decode_node),
 }
 
 
@@ -335,25 +361,35 @@ def main(argv: list[str] | None = None) -> dict:
     ap = script.parser(__doc__)
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams in flight at each fault")
     ap.add_argument("--osl", type=int, default=48, help="tokens per stream (greedy, EOS ignored)")
-    ap.add_argument("--probes", type=int, default=10, help="sequential 1-token requests per TTFT p50")
+    ap.add_argument("--probes", type=int, default=20, help="sequential 1-token requests per TTFT p50")
     ap.add_argument("--hang-s", type=float, default=180.0, help="a stream not ended this long after the fault hangs")
     ap.add_argument("--port", type=int, default=8000, help="HTTP port of Serve's proxy on 127.0.0.1")
     args = ap.parse_args(argv)
+    import ray
+
     from rackserve.serve.app import delete
 
     rows = []
-    with script.ray_cluster(), script.serve_proxy(args.port):
-        for name, settings in APPS.items():
-            app = start_app(f"faults-{name}", settings, args.port)
-            try:
-                for i, (fault, (where, inject)) in enumerate(FAULTS.items()):
-                    if where == name:
-                        rows.append(run_fault(app, fault, inject, args.streams, args.osl, args.probes, args.hang_s,
-                                              seed=i))
-            finally:
-                delete(app.name)
-    print(f"tiny model over HTTP, {args.streams} greedy streams of {args.osl} tokens in flight at each fault; "
-          f"TTFT: p50 of {args.probes} sequential 1-token requests; 'same': the undisturbed text; shared CPU\n")
+    cluster = RackCluster(racks=2, trays=2, gpus_per_tray=2)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        with script.serve_proxy(args.port):
+            for name, settings in APPS.items():
+                app = start_app(f"faults-{name}", settings, args.port, cluster)
+                try:
+                    for i, (fault, (where, inject)) in enumerate(FAULTS.items()):
+                        if where == name:
+                            rows.append(run_fault(app, fault, inject, args.streams, args.osl, args.probes,
+                                                  args.hang_s, seed=i))
+                finally:
+                    delete(app.name)
+                    cluster.restore()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(f"tiny model over HTTP on 4 local Ray nodes, {args.streams} greedy streams of {args.osl} tokens in flight "
+          f"at each fault; TTFT: p50 of {args.probes} sequential 1-token requests; 'same': the undisturbed text; "
+          "shared CPU\n")
     print(table(rows))
     ok = all(r.hung == 0 and r.completed + r.errored == r.streams for r in rows)
     print(f"\nno hangs, every stream completed or ended with an error: {'yes' if ok else 'no'}; TTFT after within "

@@ -167,6 +167,11 @@ class Instance:
     def rack(self) -> str:
         return self.gpus[0].rack
 
+    @property
+    def trays(self) -> str:
+        """The trays it runs on, as "rack0/tray1, rack0/tray2" (for messages)."""
+        return ", ".join(dict.fromkeys(f"{g.rack}/{g.tray}" for g in self.all_gpus))
+
 
 @dataclass(frozen=True)
 class KVStore:

@@ -22,7 +22,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from rackserve.placement.planner import Instance, KVStore, Plan
-from rackserve.placement.topology import RACK_LABEL, TRAY_LABEL, Topology
+from rackserve.placement.topology import RACK_LABEL, TRAY_LABEL, Rack, Topology, TopologyError
 
 
 def label_selector(rack: str, tray: str) -> dict[str, str]:
@@ -45,12 +45,37 @@ def placement_groups(plan: Plan, resources: Mapping[str, float] | None = None,
                      name_prefix: str = "rackserve") -> dict[str, PlacementGroup]:
     """Create (asynchronously) one placement group per instance of `plan`, named
     `<name_prefix>-<instance name>`; returns them by instance name. Wait with `wait_ready`."""
-    groups = {}
-    for inst in plan.instances:
-        bs, selectors = bundles(inst, resources)
-        groups[inst.name] = placement_group(bs, strategy="PACK", name=f"{name_prefix}-{inst.name}",
-                                            bundle_label_selector=selectors)
-    return groups
+    return {inst.name: placement_group_of(inst, resources, name_prefix) for inst in plan.instances}
+
+
+def placement_group_of(inst: Instance, resources: Mapping[str, float] | None = None,
+                       name_prefix: str = "rackserve") -> PlacementGroup:
+    """Create (asynchronously) the placement group of one planned instance (see `placement_groups`)."""
+    bs, selectors = bundles(inst, resources)
+    return placement_group(bs, strategy="PACK", name=f"{name_prefix}-{inst.name}", bundle_label_selector=selectors)
+
+
+def lost_node(group: PlacementGroup) -> bool:
+    """Whether `group` was placed and has lost a node since: Ray re-places its bundles from that node
+    only on a node that matches their label selectors, i.e. once a node of the same tray joins."""
+    return ray.util.placement_group_table(group)["state"] == "RESCHEDULING"
+
+
+def alive_trays() -> set[tuple[str, str]]:
+    """(rack, tray) of every alive Ray node with rack/tray labels."""
+    return {(n["Labels"][RACK_LABEL], n["Labels"][TRAY_LABEL]) for n in ray.nodes()
+            if n.get("Alive") and RACK_LABEL in n.get("Labels", {}) and TRAY_LABEL in n.get("Labels", {})}
+
+
+def live_topology(topology: Topology) -> Topology:
+    """`topology` without its trays that have no alive Ray node labelled with them (racks left with no
+    tray go too): where a plan can put instances now. Raises TopologyError if nothing is left."""
+    alive = alive_trays()
+    racks = tuple(Rack(r.name, trays) for r in topology.racks
+                  if (trays := tuple(t for t in r.trays if (r.name, t.name) in alive)))
+    if not racks:
+        raise TopologyError(f"no alive Ray node is labelled with a tray of topology {topology.name!r}")
+    return Topology(racks, topology.name)
 
 
 def wait_ready(groups: Mapping[str, PlacementGroup], timeout_s: float = 120.0) -> None:
@@ -71,9 +96,15 @@ def remove(groups: Mapping[str, PlacementGroup]) -> None:
         remove_placement_group(pg)
 
 
-def kv_store_options(store: KVStore, num_cpus: float = 1.0) -> dict:
-    """`.options(...)` for a KV-store actor: pinned to its tray by label, using no GPU."""
-    return {"num_cpus": num_cpus, "num_gpus": 0, "label_selector": label_selector(store.rack, store.tray)}
+def kv_store_options(store: KVStore, num_cpus: float = 1.0, alive: set[tuple[str, str]] | None = None) -> dict:
+    """`.options(...)` for a KV-store actor: pinned to its tray by label, using no GPU. With `alive` (the
+    trays that have a node now, `alive_trays()`), a store whose tray has none is pinned to its rack
+    instead, or to no node if its whole rack is gone: a store is a cache, better near than nowhere."""
+    if alive is None or (store.rack, store.tray) in alive:
+        selector = label_selector(store.rack, store.tray)
+    else:
+        selector = {RACK_LABEL: store.rack} if any(rack == store.rack for rack, _ in alive) else {}
+    return {"num_cpus": num_cpus, "num_gpus": 0, **({"label_selector": selector} if selector else {})}
 
 
 def topology_from_ray(resource: str = "GPU") -> Topology:

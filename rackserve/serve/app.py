@@ -121,7 +121,7 @@ def _error(e: api.APIError) -> JSONResponse:
 
 # a dead replica is noticed in seconds (Serve's defaults: checked every 10 s, 30 s to answer), so a
 # replacement takes its streams' place fast; the check is only that the replica process answers
-@serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=2.0, health_check_timeout_s=10.0)
+@serve.deployment(health_check_period_s=2.0, health_check_timeout_s=10.0)  # Ray options: `build`
 @serve.ingress(app)
 class OpenAIServer:
     def __init__(self, settings: dict):
@@ -327,4 +327,5 @@ def build(settings: dict | None = None) -> serve.Application:
     """The Ray Serve application of a `ServeConfig` (its fields as a dict; defaults when empty)."""
     config = ServeConfig.from_dict(settings or {})
     return OpenAIServer.options(num_replicas=config.num_ingress_replicas,
+                                ray_actor_options={"num_cpus": 0, "resources": dict(config.ingress_resources or {})},
                                 max_ongoing_requests=config.max_inflight + EXTRA_ONGOING).bind(config.to_dict())

@@ -13,7 +13,7 @@ BUILDER = "rackserve.serve.app:build"
 INGRESS_KINDS = ("proxy", "direct")  # how HTTP reaches the replicas: see `rackserve.serve.ingress`
 # settings of the HTTP tier alone: changing them restarts ingress replicas, never the engines
 INGRESS_FIELDS = ("served_model_name", "host", "port", "ingress", "api_key", "max_inflight", "num_ingress_replicas",
-                  "drain_timeout_s")
+                  "ingress_resources", "drain_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class ServeConfig:
     progress per ingress replica before new ones get 429 (backpressure, not an unbounded queue);
     num_ingress_replicas: stateless HTTP replicas in front of the one data plane (each routes and
     streams by itself; with direct ingress each listens on its own port from `port` on);
+    ingress_resources: Ray resources each ingress replica reserves, to keep the HTTP tier off the GPU
+    trays (e.g. {"ingress": 1} where the CPU nodes are started with `--resources '{"ingress": 4}'`): a
+    replica's HTTP connections die with its node, while the engines' requests are replayed;
     drain_timeout_s (s): how long `rackserve serve`, told to stop (SIGTERM, Ctrl-C), lets the requests in
     progress finish while new ones get 503 + Retry-After; what still runs then is ended with an error;
     timeout (s): a gang member silent this long fails its instance."""
@@ -55,6 +58,7 @@ class ServeConfig:
     api_key: str | None = None
     max_inflight: int = 256
     num_ingress_replicas: int = 1
+    ingress_resources: dict | None = None
     drain_timeout_s: float = 30.0
     timeout: float = 30.0
 
@@ -66,6 +70,12 @@ class ServeConfig:
             raise ConfigError(f"max_inflight={self.max_inflight!r} must be an integer ≥ 1")
         if not isinstance(self.num_ingress_replicas, int) or self.num_ingress_replicas < 1:
             raise ConfigError(f"num_ingress_replicas={self.num_ingress_replicas!r} must be an integer ≥ 1")
+        if self.ingress_resources is not None and not (
+                isinstance(self.ingress_resources, dict) and all(
+                    isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
+                    for k, v in self.ingress_resources.items())):
+            raise ConfigError(f"ingress_resources={self.ingress_resources!r} must map Ray resource names to amounts "
+                              '≥ 0, e.g. {"ingress": 1}')
         if not isinstance(self.drain_timeout_s, (int, float)) or not self.drain_timeout_s >= 0:
             raise ConfigError(f"drain_timeout_s={self.drain_timeout_s!r} must be a number of seconds ≥ 0")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:

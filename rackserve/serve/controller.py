@@ -32,7 +32,7 @@ from rackserve.actors.deployment import Deployment
 from rackserve.actors.faults import diagnose
 from rackserve.config import EngineConfig
 from rackserve.models import read_config
-from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
+from rackserve.placement import RACK_LABEL, TRAY_LABEL, InstanceGroup, PlacementSpec, Topology, plan
 from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
 from rackserve.serve import health
 from rackserve.serve.config import INGRESS_FIELDS, ServeConfig
@@ -109,6 +109,11 @@ class Controller:
         """Every instance's member process ids (to see that an ingress change left them alone)."""
         return {inst.name: [p["pid"] for p in inst.ping()] for inst in self.deployment.prefill + self.deployment.decode}
 
+    def trays(self) -> dict[str, list[str]]:
+        """Every instance's members' trays ("rack0/tray1", from their nodes' labels; "?" unlabelled)."""
+        return {inst.name: [f"{p['labels'].get(RACK_LABEL, '?')}/{p['labels'].get(TRAY_LABEL, '?')}"
+                            for p in inst.ping()] for inst in self.deployment.prefill + self.deployment.decode}
+
     def store_pids(self) -> list[int | None]:
         """Every KV store's process id (None: dead, or no answer within HEALTH_TIMEOUT_S)."""
         refs = [store.ping.remote() for store in self.deployment.stores]
@@ -131,6 +136,9 @@ class Controller:
         for inst in dep.prefill + dep.decode:
             if inst.restarting:
                 instances[inst.name] = "restarting"
+                continue
+            if inst.down:
+                instances[inst.name] = f"down: {inst.down}"
                 continue
             why = diagnose(inst.members, inst.dep, HEALTH_TIMEOUT_S)
             instances[inst.name] = f"{why}; the gang restarts within seconds" if why else "ok"
@@ -188,8 +196,7 @@ class Controller:
 
     def shutdown(self) -> None:
         self.deployment.shutdown()
-        if self.groups:
-            remove(self.groups)
+        remove(self.deployment.placement_groups)  # the groups now: a re-planned instance has a new one
 
     def _watch(self, app: str) -> None:
         """Shut down, and end this actor, once Serve has had no app `app` for `ORPHAN_S` (deleted, or

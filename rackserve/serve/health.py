@@ -1,11 +1,11 @@
 """What `/health` reports: each instance's state, the KV stores, and the P/D path's recent failure rates.
 
 Status, worst first:
-* "unhealthy" (HTTP 503): an instance is down and no restart is under way, or no decode instance
-  can serve at all;
-* "degraded" (HTTP 200): serving, but with less than it should: a gang restarting, a dead KV store
-  (caching lost until its replacement is up), or over `RATE_LIMIT` of the recent P/D transfers
-  failing (each failed push is a prefill recomputed on a decode rank);
+* "unhealthy" (HTTP 503): no decode instance can serve;
+* "degraded" (HTTP 200): serving, but with less than it should: an instance down (its gang failed,
+  or cannot be placed: e.g. waiting for a lost node) or restarting, a dead KV store (caching lost until
+  its replacement is up), or over `RATE_LIMIT` of the recent P/D transfers failing (each failed push is
+  a prefill recomputed on a decode rank);
 * "healthy".
 The rates are over the last `WINDOW_S`, from counters the controller samples every `SAMPLE_S`, so a
 fault's traces clear a minute after it is mended.
@@ -75,10 +75,10 @@ def status(instances: dict[str, str], decode: list[str], stores_live: int, store
            rates: dict[str, float]) -> tuple[str, list[str]]:
     """(status, reasons) from each instance's state ("ok", "restarting" or why it is down), the decode
     instances' names, the live and total KV stores and the window's `rates`."""
-    down = [f"{name}: {why}" for name, why in instances.items() if why not in ("ok", "restarting")]
-    if down or not any(instances[name] == "ok" for name in decode):
-        return "unhealthy", down or ["no decode instance is serving"]
-    reasons = [f"{name}: its gang is restarting" for name, why in instances.items() if why == "restarting"]
+    reasons = [f"{name}: its gang is restarting" if why == "restarting" else f"{name}: {why}"
+               for name, why in instances.items() if why != "ok"]
+    if not any(instances[name] == "ok" for name in decode):
+        return "unhealthy", ["no decode instance is serving", *reasons]
     if stores_live < stores_total:
         reasons.append(f"{stores_total - stores_live} of {stores_total} KV stores down (being replaced)")
     reasons += [f"{name.replace('_', ' ')} {value:.1%} over the last {WINDOW_S:.0f} s"

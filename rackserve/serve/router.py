@@ -14,6 +14,9 @@ so N replicas route alike without talking to each other:
   router computes the same choice from the session id alone, turn 2 lands where turn 1's state and
   KV-store prefix are, and a session moves only when its rank is overloaded or gone. A request
   without a session goes to the least loaded rank.
+* **Faults.** A rank with no report (its gang restarting or down, or silent: its node may be gone)
+  and the ranks of instances the caller names (`avoid`: found failed) get nothing while another rank
+  can take the request.
 * **Memory.** Affinity needs no table: the router keeps one counter per rank and nothing per session
   or request, however many sessions come and go (`size`).
 """
@@ -41,14 +44,15 @@ class Router:
         self._reported = dict(loads)
         self._sent.clear()
 
-    def decode_rank(self, session: str | None, tokens: int) -> RankKey:
-        """The decode rank for a request whose state will hold up to `tokens` tokens, counted as sent."""
-        return self._pick("decode", self.decode, session, tokens)
+    def decode_rank(self, session: str | None, tokens: int, avoid: set[str] | frozenset[str] = frozenset()) -> RankKey:
+        """The decode rank for a request whose state will hold up to `tokens` tokens, counted as sent;
+        not one of the instances `avoid` names, nor one without a report, while there is another."""
+        return self._pick("decode", self._usable(self.decode, avoid), session, tokens)
 
     def prefill_rank(self, session: str | None, prompt_tokens: int) -> RankKey | None:
         """The prefill rank for a prompt of `prompt_tokens` tokens to prefill, counted as sent; None
         without prefill ranks."""
-        return self._pick("prefill", self.prefill, session, prompt_tokens) if self.prefill else None
+        return self._pick("prefill", self._usable(self.prefill), session, prompt_tokens) if self.prefill else None
 
     def load(self, role: str, rank: RankKey) -> int:
         """The load this router sees on `rank` (reported + sent since)."""
@@ -59,6 +63,12 @@ class Router:
     def size(self) -> int:
         """Entries this router holds: reports and counters, one per rank at most."""
         return len(self._reported) + len(self._sent)
+
+    def _usable(self, ranks: list[RankKey], avoid: set[str] | frozenset[str] = frozenset()) -> list[RankKey]:
+        """`ranks` but those of instances in `avoid` and those without a report (before the first
+        reports, every rank has none), unless that leaves none."""
+        up = [rank for rank in ranks if rank[0] not in avoid] or ranks
+        return [rank for rank in up if rank in self._reported] or up
 
     def _pick(self, role: str, ranks: list[RankKey], session: str | None, tokens: int) -> RankKey:
         loads = {rank: self.load(role, rank) for rank in ranks}

@@ -99,7 +99,12 @@ class KVAgent(PoolAgent):
 
     def poll(self, transfer: Transfer) -> bool:
         """True once `transfer` is done (its handle released); raises `TransferError` if it failed."""
-        state = self._agent.check_xfer_state(transfer.handle)
+        try:
+            state = self._agent.check_xfer_state(transfer.handle)
+        except Exception as e:  # nixl raises its own error types (a peer whose node is gone: REMOTE_DISCONNECT)
+            self.cancel(transfer)
+            raise _nixl_error(f"{self.name}: transfer of {transfer.nbytes} bytes with {transfer.peer!r} failed",
+                              e) from e
         if state == "PROC":
             return False
         self._agent.release_xfer_handle(transfer.handle)

@@ -1,0 +1,51 @@
+"""Losing a whole Ray node under streams, over HTTP (`rackserve.bench.faults`' node row), on the
+session's cluster (`RackCluster`: 2 racks x 2 trays, a node each).
+
+The app is placed by the rack planner: decode instance 0 on the head's tray, decode instance 1 on
+the next, the prefill instance in the other rack, a KV store per tray, the ingress replica on the head
+node. The node of decode instance 1 is killed at once (its ranks and KV store with it) while streams
+run: its streams are replayed on decode instance 0, the instance is re-planned onto the free tray,
+its store replaced in the same rack, and the prefill instance, whose pushes to the lost ranks fail
+(NIXL: remote disconnect), goes on. The node joins again afterwards, for the tests that follow.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import ray
+from conftest import assert_recovered, free_port
+from ray import serve
+
+from rackserve.bench import faults
+from rackserve.serve.app import delete
+
+STREAMS, OSL, PROBES = 6, 32, 8
+FAULT = "node loss (a decode tray)"
+
+
+@pytest.mark.slow
+def test_losing_a_tray_replays_its_streams_elsewhere_and_replans_its_instance(ray_cluster, tiny_checkpoint):
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    app = faults.start_app("faults-node", {**faults.APPS["node"], "model": str(tiny_checkpoint)}, port, ray_cluster)
+    try:
+        before = ray.get(app.plane.trays.remote())
+        lost = before["decode-DEP2-1"][0]
+        assert lost != "rack0/tray0" and before["decode-DEP2-0"][0] == "rack0/tray0", before
+        row = faults.run_fault(app, FAULT, faults.FAULTS[FAULT][1], STREAMS, OSL, PROBES)
+        assert_recovered(row, replayed=None)
+        assert 0 < row.replayed < row.streams, row  # the lost instance's streams, on the other one
+
+        after = ray.get(app.plane.trays.remote())
+        assert lost not in after["decode-DEP2-1"] and len(set(after["decode-DEP2-1"])) == 1, after
+        assert after["decode-DEP2-0"] == before["decode-DEP2-0"] and after["prefill-DEP1-0"] == before["prefill-DEP1-0"]
+        stats = ray.get(app.plane.stats.remote())
+        assert [i["restarts"] for i in stats["prefill"]] == [0], stats["prefill"]  # failed pushes are not its end
+        health = httpx.get(f"{app.url}/health", timeout=30).json()
+        assert all(s == "ok" for s in health["instances"].values()), health
+        assert health["kv_stores"] == "3/3" and health["kv_stores_replaced"] >= 1, health
+    finally:
+        delete(app.name)
+        serve.shutdown()
+        ray_cluster.restore()
