@@ -1,8 +1,9 @@
 """The OpenAI endpoint over real HTTP (Ray Serve on the session's cluster, a DEP1 prefill + DEP1
 decode deployment of the tiny model with a KV store): the official client, streaming and not, gives
 the Python API's greedy text; 100 concurrent streams all complete; bad requests get OpenAI-shaped
-4xx while others are served; the API key is enforced; a client that leaves mid-stream frees its
-state; the replica also serves directly (direct ingress), with the same answers."""
+4xx while others are served (a prompt beyond the context too); the API key is enforced; a client that
+leaves mid-stream, or before its first token (while its prompt is prefilled), frees its state; the
+replica also serves directly (direct ingress), with the same answers."""
 
 from __future__ import annotations
 
@@ -152,10 +153,10 @@ def test_the_api_key_is_enforced(server):
     assert httpx.get(f"{server}/health", timeout=60).json()["healthy"]
 
 
-def state_in_use(server: str) -> float:
-    """State memory the decode ranks' requests hold (the prefix cache's share not counted)."""
+def state_in_use(server: str, role: str = "decode") -> float:
+    """State memory the `role` ranks' requests hold (the prefix cache's share not counted)."""
     text = httpx.get(f"{server}/metrics", timeout=60).text
-    return sum(float(v) for v in re.findall(r'^rackserve_state_bytes_in_use\{role="decode"\} (\S+)$', text, re.M))
+    return sum(float(v) for v in re.findall(rf'^rackserve_state_bytes_in_use\{{role="{role}"\}} (\S+)$', text, re.M))
 
 
 @pytest.mark.slow
@@ -174,6 +175,36 @@ def test_a_client_leaving_mid_stream_frees_its_state(server):
     while state_in_use(server) > baseline and time.monotonic() < deadline:
         time.sleep(0.2)
     assert state_in_use(server) == baseline
+
+
+@pytest.mark.slow
+def test_a_client_leaving_before_its_first_token_frees_its_state(server):
+    baseline = {role: state_in_use(server, role) for role in ("prefill", "decode")}
+    body = {"model": "tiny", "prompt": [7 + i % 400 for i in range(1500)], "max_tokens": 200, "stream": True}
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        for _ in range(3):  # gone 50 ms after sending it: while it is routed, reserved or prefilled
+            with pytest.raises(httpx.ReadTimeout):
+                with http.stream("POST", "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.05)) as r:
+                    next(r.iter_lines())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(state_in_use(server, role) > used for role, used in baseline.items()):
+            time.sleep(0.2)
+        assert {role: state_in_use(server, role) for role in baseline} == baseline
+        ok = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.slow
+def test_a_prompt_beyond_the_context_gets_a_400_naming_it(server):
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        context = http.get("/v1/models").json()["data"][0]["max_model_len"]
+        for prompt in ([5] * (context + 1), [5] * context):  # no room for even one output token
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "prompt" and f"context is {context} tokens" in error["message"], error
+        ok = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
 @pytest.mark.slow

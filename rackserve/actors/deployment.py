@@ -318,6 +318,10 @@ class Deployment:
         """Instance `name`'s current gang: (generation, member handles)."""
         return self._instance(name).members_of()
 
+    def gang_failure(self, name: str, generation: int, why: str) -> str:
+        """Why gang `generation` of instance `name` failed, restarting nothing (`GangOwner`)."""
+        return self._instance(name).gang_failure(name, generation, why)
+
     def gang_failed(self, name: str, generation: int, why: str) -> str:
         """A client found gang `generation` of instance `name` failed: restart it unless done; why it failed."""
         return self._instance(name).gang_failed(name, generation, why)

@@ -58,6 +58,7 @@ class GangSupervisor:
         self._spec, self._actor_options, self._placement_group = spec, dict(actor_options or {}), placement_group
         self._on_restart, self._replace_placement = on_restart, replace_placement
         self._lock = threading.RLock()  # the generation and its members; a restart holds it for seconds
+        self._diagnosing = threading.Lock()  # one diagnosis per failed generation (never held with `_lock` waited on)
         self._failures: dict[int, str] = {}  # gang generation -> why it failed
         self.generation = -1
         self.members: list = []
@@ -81,12 +82,7 @@ class GangSupervisor:
         it, once however many threads or clients find it failed; returns the reason."""
         with self._lock:
             if generation == self.generation and not self.stopped:
-                if self.down is not None:  # its last start failed: start it again
-                    self._failures[generation] = self.down
-                else:
-                    detail = diagnose(self.members, self.dep) or (
-                        cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}")
-                    self._failures[generation] = f"{self.label} failed: {detail}"
+                self.reason(generation, cause)
                 self.restarting = True
                 try:
                     self._kill()
@@ -98,6 +94,23 @@ class GangSupervisor:
             if self.stopped:
                 return f"{self.label} was shut down"
             return self._failures.get(generation, f"{self.label} restarted its gang")
+
+    def reason(self, generation: int, cause: BaseException | str) -> str:
+        """Why gang `generation` failed: the members at fault, diagnosed by the first caller while the
+        gang is as it failed (before its restart kills it), else `cause`; the same for every later
+        caller. Restarts nothing, so a client can end the lost requests before a restart that may be
+        long (a model to load, a lost node to re-plan)."""
+        with self._diagnosing:
+            if generation not in self._failures:
+                if generation != self.generation:  # replaced already: its members are gone
+                    return f"{self.label} restarted its gang"
+                if self.down is not None:  # its last start failed: nothing ran
+                    self._failures[generation] = self.down
+                else:
+                    detail = diagnose(self.members, self.dep) or (
+                        cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}")
+                    self._failures[generation] = f"{self.label} failed: {detail}"
+            return self._failures[generation]
 
     def shutdown(self) -> int:
         """Stop every member (one that already died is skipped) and release them, after any restart

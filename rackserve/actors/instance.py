@@ -143,6 +143,10 @@ class Instance:
         """A client found gang `generation` failed (`GangOwner`): see `GangSupervisor.fail`."""
         return self._gang.fail(generation, why)
 
+    def gang_failure(self, name: str | None, generation: int, why: str) -> str:
+        """Why gang `generation` failed, restarting nothing (`GangOwner`): see `GangSupervisor.reason`."""
+        return self._gang.reason(generation, why)
+
     # ---- requests (through the instance's own client) ----------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                rank: int | None = None, push_to: list | None = None, cached: tuple[int, list] | None = None) -> str:

@@ -17,7 +17,7 @@ of all of this client's requests there and puts each request's into its `OutputS
 it runs.
 
 Faults: a poll that finds the gang failed ends the streams of that gang's requests on the rank with
-the reason (`faults.diagnose`) at once — their callers may go on elsewhere (a deployment replays
+the owner's reason (`GangOwner.gang_failure`) at once — their callers may go on elsewhere (a deployment replays
 them) — and then asks the owner (`GangOwner.gang_failed`) to restart it (once, however many clients
 find it) and takes the fresh gang's handles (`GangOwner.members_of`); a call that finds it failed
 does the same and is retried on the fresh gang (`faults.retry_after_restart`). Until then the
@@ -34,7 +34,7 @@ from typing import Protocol
 
 import ray
 
-from rackserve.actors.faults import GANG_ERRORS, InstanceError, diagnose, retry_after_restart
+from rackserve.actors.faults import GANG_ERRORS, InstanceError, retry_after_restart
 from rackserve.actors.output_stream import OutputStream
 from rackserve.engine import RequestOutput, SamplingParams
 
@@ -50,6 +50,9 @@ class GangOwner(Protocol):
     def gang_failed(self, name: str, generation: int, why: str) -> str:
         """Gang `generation` of `name` failed (a client saw `why`): restart it if it is still the current
         one; why it failed, for the requests it lost."""
+
+    def gang_failure(self, name: str, generation: int, why: str) -> str:
+        """Why gang `generation` of `name` failed (diagnosed once, before any restart), restarting nothing."""
 
 
 class InstanceClient:
@@ -188,25 +191,27 @@ class InstanceClient:
         """A pump for DP rank `rank` of gang `generation`, unless one runs (call under `_lock`)."""
         if (generation, rank) not in self._pumps:
             self._pumps.add((generation, rank))
-            threading.Thread(target=self._pump, args=(generation, rank, self.members), daemon=True,
+            threading.Thread(target=self._pump, args=(generation, rank, self.members[rank]), daemon=True,
                              name=f"{self.consumer}-g{generation}-pump{rank}").start()
 
-    def _pump(self, generation: int, rank: int, members: list) -> None:
+    def _pump(self, generation: int, rank: int, member) -> None:
         """The output pump of DP rank `rank` of gang `generation`: long-polls the rank for this
         client's outputs and puts each request's into its stream, until the gang fails (it then ends
-        the streams of the rank's requests with the owner's reason, after the restart), the client has
+        the streams of the rank's requests with the owner's reason, then has it restarted), the client has
         no request left there (a rank is polled only by the clients with requests on it), or the
         client closes."""
         while not self._closed:
             try:
-                ready = ray.get(members[rank].poll_all.remote(POLL_TIMEOUT_S, self.consumer))
+                ready = ray.get(member.poll_all.remote(POLL_TIMEOUT_S, self.consumer))
             except ray.exceptions.RayError as e:  # the rank or its gang failed, or it was shut down
                 if not self._closed:
                     self.failed = max(self.failed, generation)
-                    why = diagnose(members, self.dep) or f"{type(e).__name__}: {e}"
+                    try:
+                        why = self._owner.gang_failure(self.name, generation, f"{type(e).__name__}: {e}")
+                    except Exception:  # noqa: BLE001 - the owner away: the readers must not wait for it
+                        why = f"{self.shape} failed ({type(e).__name__}: {e})"
                     # first: a restart may take long (a lost node: the group re-planned, the model loaded)
-                    self.end_streams(generation, rank, f"{self.shape} failed: {why}. The instance restarts its gang; "
-                                                       "resubmit the request")
+                    self.end_streams(generation, rank, f"{why}. The instance restarts its gang; resubmit the request")
                     try:
                         self._failed(generation, e)
                     except Exception:  # noqa: BLE001 - not started (no room?): a call or the owner tries again

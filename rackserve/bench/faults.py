@@ -26,7 +26,8 @@ Per fault, in turn:
    counts the requests the ingress replayed (its `rackserve_replayed_requests`; not counted with two
    replicas);
 5. recovery: seconds from the fault until a new 1-token request succeeds;
-6. TTFT after: p50 of --probes once recovered (target: within 1.5x of before), the push failures and
+6. TTFT after: p50 of --probes once recovered and every instance serves again (its gang restarted,
+   re-planned or not; up to 120 s) (target: within 1.5x of before), the push failures and
    the reservations recomputed on decode ranks during those requests (target: 0 each), and whether
    the decode instances' state memory in use came back to its idle level (nothing leaked).
 
@@ -229,6 +230,16 @@ def settle(app: App, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def until_every_instance_serves(app: App, timeout: float = 120.0) -> None:
+    """Wait until the data plane's health check finds every instance "ok" (restarts done)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(
+            state != "ok" for state in ray.get(app.plane.health.remote())["instances"].values()):
+        time.sleep(0.5)
+
+
 def replayed(app: App) -> float:
     """The ingress replica's `rackserve_replayed_requests`."""
     text = httpx.get(f"{app.url}/metrics", timeout=30).text
@@ -325,6 +336,7 @@ def run_fault(app: App, fault: str, inject: Callable[[App, list[Outcome]], None]
     for _, thread in runs:
         thread.join(max(0.0, deadline - time.monotonic()))
     outs = [out for out, _ in runs]
+    until_every_instance_serves(app)
     settle(app)
     failures, recomputes = push_failures(app), recomputed(app)
     after = ttft_p50(app.url, probes)

@@ -238,20 +238,20 @@ class KVPort:
         decode rank of `req.push_to`, with its first token."""
         res, handle = req.push_to, req.handle
         nbytes = self.cache.state.blob_nbytes(handle.num_tokens)
-        offset = None
         # a size mismatch means a differently configured decode rank; a late start could outlive the range
-        if nbytes == res.region.nbytes and time.time() <= res.expires_at - PUSH_MARGIN_S:
-            offset = self.agent.alloc(nbytes)
+        why = (f"the decode rank reserved {res.region.nbytes} bytes for {nbytes}" if nbytes != res.region.nbytes
+               else "its reservation is about to expire" if time.time() > res.expires_at - PUSH_MARGIN_S else None)
+        offset = self.agent.alloc(nbytes) if why is None else None
         if offset is None:
-            self._push_failed(req.request_id, res.region.agent)
+            self._push_failed(req.request_id, res.region.agent, why or "no room in the push pool")
             return
         self.cache.fence()
         self.cache.state.export_into(handle, self.agent.view(offset, nbytes))
         try:
             transfer = self.agent.write(offset, res.region, notif=_pushed(req).encode())
-        except TransferError:
+        except TransferError as e:
             self.agent.free(offset)
-            self._push_failed(req.request_id, res.region.agent)
+            self._push_failed(req.request_id, res.region.agent, str(e))
             return
         self.outgoing.append(Outgoing(transfer, offset, req.request_id, res.region.agent))
 
@@ -261,10 +261,10 @@ class KVPort:
         for out in self.outgoing:
             try:
                 done = self.agent.poll(out.transfer)
-            except TransferError:
+            except TransferError as e:
                 self.agent.free(out.offset)
                 if out.request_id:
-                    self._push_failed(out.request_id, out.peer)
+                    self._push_failed(out.request_id, out.peer, str(e))
                 elif self.store is not None:
                     self.store.ranges.free(out.store_offset)
                 continue
@@ -294,7 +294,8 @@ class KVPort:
             self.store = None
         self.agent.remove_peer(peer)
 
-    def _push_failed(self, request_id: str, peer: str) -> None:
+    def _push_failed(self, request_id: str, peer: str, why: str) -> None:
+        log.warning("push of %s to %r failed (the decode rank recomputes it): %s", request_id, peer, why)
         self.stats.push_failures += 1
         send(self.agent, peer, PushFailed(request_id))  # the decode rank recomputes at once, not at expiry
 

@@ -102,6 +102,9 @@ class Controller:
     def gang_failed(self, name: str, generation: int, why: str) -> str:
         return self.deployment.gang_failed(name, generation, why)
 
+    def gang_failure(self, name: str, generation: int, why: str) -> str:
+        return self.deployment.gang_failure(name, generation, why)
+
     def loads(self) -> dict[RankKey, dict]:
         return self.deployment.loads()
 
@@ -236,6 +239,9 @@ class RemoteDataPlane:
 
     def gang_failed(self, name: str, generation: int, why: str) -> str:
         return ray.get(self.actor.gang_failed.remote(name, generation, why))
+
+    def gang_failure(self, name: str, generation: int, why: str) -> str:
+        return ray.get(self.actor.gang_failure.remote(name, generation, why))
 
     def loads(self) -> dict[RankKey, dict]:
         return ray.get(self.actor.loads.remote())
