@@ -58,7 +58,8 @@ class GangSupervisor:
         self._spec, self._actor_options, self._placement_group = spec, dict(actor_options or {}), placement_group
         self._on_restart, self._replace_placement = on_restart, replace_placement
         self._lock = threading.RLock()  # the generation and its members; a restart holds it for seconds
-        self._diagnosing = threading.Lock()  # one diagnosis per failed generation (never held with `_lock` waited on)
+        # one diagnosis per failed generation: taken by `fail` under `_lock` and by clients alone (never waits for it)
+        self._diagnosing = threading.Lock()
         self._failures: dict[int, str] = {}  # gang generation -> why it failed
         self.generation = -1
         self.members: list = []
