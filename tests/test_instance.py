@@ -179,8 +179,31 @@ def test_a_dead_or_frozen_dp_rank_fails_in_flight_requests_and_the_gang_restarts
         # a member that stops answering (its process frozen) is found by the gang's timeouts
         assert_member_death_is_survived(inst, member=1, name="DP rank 1", checkpoint=tiny_checkpoint,
                                         fault="freeze")
+        assert_a_death_while_the_gang_meets_is_survived(inst, checkpoint=tiny_checkpoint)
     finally:
         inst.shutdown()
+
+
+def assert_a_death_while_the_gang_meets_is_survived(inst: Instance, checkpoint) -> None:
+    """A member that dies after the restart created the members and before they met (the rendezvous, the
+    process group) fails that start with a clear error and leaves the instance down; the next request
+    starts the gang again."""
+    gang = inst._gang
+    spec = gang._spec
+
+    def meeting(*args):  # called once the restart's members run, right before they meet
+        gang._spec = spec
+        ray.kill(gang.members[1])
+        return spec(*args)
+
+    gang._spec = meeting
+    ray.kill(inst.members[0])
+    with pytest.raises(InstanceError, match=r"its gang did not start again \(.*\); the next request"):
+        inst.generate([STAGGERED[2]], GREEDY)
+    assert inst.down and "did not start" in inst.down
+    [again] = inst.generate([STAGGERED[2]], GREEDY)
+    assert inst.down is None
+    assert_like_single_process(checkpoint, [again.token_ids], slice(2, 3))
 
 
 def assert_member_death_is_survived(inst: Instance, member: int, name: str, checkpoint, fault: str = "kill") -> None:

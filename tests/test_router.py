@@ -56,3 +56,17 @@ def test_10000_sessions_leave_the_router_as_small_as_its_ranks():
         if i % 100 == 0:
             router.update({rank: {"tokens": i, "prefill_tokens": i} for rank in DECODE + PREFILL})
     assert router.size <= 2 * len(DECODE + PREFILL)
+
+
+def test_ranks_without_a_report_and_failed_instances_get_nothing_while_others_can_take_it():
+    decode = [("d0", 0), ("d0", 1), ("d1", 0)]
+    router = Router(decode, [("p0", 0)])
+    assert not router.prefill_down  # no report yet: every rank counts
+    router.update({("d0", 0): {"tokens": 500}, ("d1", 0): {"tokens": 900}, ("p0", 0): {"prefill_tokens": 0}})
+    picks = {router.decode_rank(None, 10) for _ in range(20)}
+    assert ("d0", 1) not in picks  # silent: its gang restarting, down, or its node lost
+    assert {router.decode_rank(f"s{i}", 10, avoid={"d0"}) for i in range(20)} == {("d1", 0)}
+    assert router.decode_rank(None, 10, avoid={"d0", "d1"}) in decode  # nothing else: the request is still placed
+    assert not router.prefill_down
+    router.update({("d0", 0): {"tokens": 0}})
+    assert router.prefill_down and router.prefill_rank(None, 100) == ("p0", 0)

@@ -6,7 +6,8 @@ and KV stores and keeps them alive; a client, one per process that takes request
 
 1. `Router` picks the decode rank (session affinity, else the least state load) and the prefill rank
    (affinity, else the fewest queued prompt tokens), from the loads the owner gathers from the ranks
-   (refreshed every `LOAD_REFRESH_S` by a thread of this client);
+   (refreshed every `LOAD_REFRESH_S` by a thread of this client); while no prefill rank reports (all
+   restarting, down or lost), the decode rank is given the whole request and prefills it itself;
 2. the decode rank reserves room for the request's state; the KV store that decode rank writes to is
    asked for the longest cached prefix; the prefill rank reads that prefix, prefills the rest,
    samples the first token and pushes the state;
@@ -180,6 +181,10 @@ class DeploymentClient:
         with self._lock:
             decode_at = route.decode = self.router.decode_rank(route.session, len(ids) + params.max_tokens, failed)
             route.prefill = None
+            prefill_down = self.router.prefill_down
+        if prefill_down:  # no prefill rank to push it: the decode rank prefills it now, not after a timeout
+            self.decode[decode_at[0]].submit(ids, params, route.engine_id, rank=decode_at[1])
+            return
         _, reservation = self.decode[decode_at[0]].reserve(ids, params, route.engine_id, rank=decode_at[1])
         if reservation is not None and self.prefill:
             hit = self._lookup(decode_at, ids)

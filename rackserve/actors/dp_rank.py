@@ -14,6 +14,7 @@ The engine is not thread-safe, so actor threads never touch it: they put an `Add
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -24,9 +25,9 @@ from typing import Any
 from rackserve.actors.gang_member import GangMember, GangSpec
 from rackserve.engine import Engine, RequestOutput, SamplingParams
 from rackserve.models.tokenizer import Tokenizer
-from rackserve.transfer.kv import KVAgent, KVReservation, RemoteRegion
+from rackserve.transfer.kv import KVAgent, KVReservation, RemoteRegion, TransferError
 
-
+log = logging.getLogger(__name__)
 CONSUMER_TIMEOUT_S = 30.0  # a consumer silent this long is gone: its requests are aborted
 
 
@@ -96,7 +97,10 @@ class DPRank(GangMember):
             if forget:
                 engine.forget_peers(list(forget))
             for metadata in peers:
-                engine.kv.agent.add_peer(metadata)
+                try:
+                    engine.kv.agent.add_peer(metadata)
+                except TransferError as e:  # unreachable (a store whose node died?): its successor is introduced
+                    log.warning("DP rank %d: a peer was not learned: %s", self.rank, e)
             if store is not None:
                 engine.attach_store(store[0], RemoteRegion.from_wire(store[1]))
 

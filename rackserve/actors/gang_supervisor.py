@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rackserve.actors.dp_rank import DPRank
 from rackserve.actors.expert_rank import ExpertRank
-from rackserve.actors.faults import UnplacedError, diagnose, member_name
+from rackserve.actors.faults import InstanceError, UnplacedError, diagnose, member_name
 from rackserve.actors.gang_member import GangSpec
 from rackserve.collective import RendezvousServer
 from rackserve.placement.ray_groups import lost_node
@@ -80,7 +80,8 @@ class GangSupervisor:
 
     def fail(self, generation: int, cause: BaseException | str) -> str:
         """Record why gang `generation` failed (naming the members at fault, else `cause`) and restart
-        it, once however many threads or clients find it failed; returns the reason."""
+        it, once however many threads or clients find it failed; returns the reason. A restart that
+        fails raises an `InstanceError` saying so (the instance is then `down`)."""
         with self._lock:
             if generation == self.generation and not self.stopped:
                 self.reason(generation, cause)
@@ -90,6 +91,14 @@ class GangSupervisor:
                     self._start()
                     if self._on_restart is not None:
                         self._on_restart()
+                except InstanceError:
+                    raise
+                except Exception as e:  # e.g. a member died while the gang met: said so to every caller alike
+                    if self.down is None:  # started, but not wired to its peers: no use, start it again later
+                        self._kill()
+                        self.down = f"{self.label}: its gang did not start ({_first_line(e)})"
+                    raise InstanceError(f"{self.label}: its gang did not start again ({_first_line(e)}); the next "
+                                        "request, or the owner's watcher, starts it again") from e
                 finally:
                     self.restarting = False
             if self.stopped:
@@ -151,7 +160,8 @@ class GangSupervisor:
             ray.get([m.setup.remote(spec, self.members) for m in self.members])
         except BaseException as e:
             self._kill()  # a gang that did not start holds no actors (nor their resources) either
-            self.down = str(e) if isinstance(e, UnplacedError) else f"its gang did not start: {type(e).__name__}: {e}"
+            self.down = (str(e) if isinstance(e, UnplacedError)
+                         else f"{self.label}: its gang did not start ({_first_line(e)})")
             raise
         self.down = None
 
@@ -206,3 +216,8 @@ class GangSupervisor:
         for member in self.members:
             ray.kill(member)
         self._server.close()
+
+
+def _first_line(e: BaseException) -> str:
+    """"Type: first line of the message": a remote error's message carries its whole traceback."""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"

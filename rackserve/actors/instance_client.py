@@ -77,12 +77,14 @@ class InstanceClient:
 
     def _failed(self, generation: int, cause: BaseException | str) -> str:
         """Gang `generation` failed under us: the owner restarts it (if nobody has yet) and says why;
-        then take the fresh gang's handles."""
+        then take the fresh gang's handles (the owner's latest, even when its restart failed: the next
+        call then finds that one failed, and has it started again)."""
         self.failed = max(self.failed, generation)
-        why = self._owner.gang_failed(self.name, generation, cause if isinstance(cause, str) else
-                                      f"{type(cause).__name__}: {cause}")
-        self.refresh()
-        return why
+        try:
+            return self._owner.gang_failed(self.name, generation, cause if isinstance(cause, str) else
+                                           f"{type(cause).__name__}: {cause}")
+        finally:
+            self.refresh()
 
     def refresh(self) -> None:
         """Take the owner's current gang (after a restart, whoever made it)."""

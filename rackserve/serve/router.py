@@ -54,6 +54,13 @@ class Router:
         without prefill ranks."""
         return self._pick("prefill", self._usable(self.prefill), session, prompt_tokens) if self.prefill else None
 
+    @property
+    def prefill_down(self) -> bool:
+        """Whether reports are in and no prefill rank has one: every prefill instance is restarting, down
+        or silent (its node lost?), so a decode rank had better prefill a request itself than reserve
+        room for a push that may not come before the reservation expires."""
+        return bool(self.prefill) and bool(self._reported) and not any(rank in self._reported for rank in self.prefill)
+
     def load(self, role: str, rank: RankKey) -> int:
         """The load this router sees on `rank` (reported + sent since)."""
         reported = self._reported.get(rank, {}).get("tokens" if role == "decode" else "prefill_tokens", 0)

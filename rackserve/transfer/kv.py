@@ -18,6 +18,7 @@ spins a core even when idle): a transfer advances when either end calls `poll`, 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -28,10 +29,13 @@ from rackserve.transfer.transport import (ALIGN, PUSH_MARGIN_S, KVReservation, P
 # the transport's values, re-exported: the engine, the actors and the benches import them from here
 __all__ = ["ALIGN", "PUSH_MARGIN_S", "KVAgent", "KVReservation", "RemoteRegion", "Transfer", "TransferError"]
 
+log = logging.getLogger(__name__)
+
 # what a NIXL status means when a transfer or notification to a known peer fails to start (our range checked)
 _CAUSES = {
     "NIXL_ERR_NOT_FOUND": "no registered memory of the peer holds that range; is the region inside its pool?",
     "NIXL_ERR_REMOTE_DISCONNECT": "the peer is gone (closed, or its process ended); learn its successor's metadata",
+    "NIXL_ERR_BACKEND": "UCX could not reach the peer (its process or node is gone?)",
 }
 
 
@@ -58,8 +62,12 @@ class KVAgent(PoolAgent):
         return self._agent.get_agent_metadata()
 
     def add_peer(self, metadata: bytes) -> str:
-        """Learn a peer from its `metadata()`; returns its name. Known peers are kept (cached)."""
-        name = self._agent.add_remote_agent(metadata)
+        """Learn a peer from its `metadata()`; returns its name. Known peers are kept (cached). Raises
+        `TransferError` if the peer cannot be reached (NIXL connects when it loads the metadata)."""
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as e:  # nixl raises its own error types from the bindings
+            raise _nixl_error(f"{self.name}: a peer's metadata could not be loaded", e) from e
         name = name.decode() if isinstance(name, bytes) else name
         self._peers.add(name)
         return name
@@ -68,7 +76,10 @@ class KVAgent(PoolAgent):
         """Forget peer `name` and disconnect from it: NIXL keeps a remote agent's metadata and UCX
         endpoints until told, so without this every restarted peer would leave its predecessor's behind."""
         if name in self._peers:
-            self._agent.remove_remote_agent(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as e:  # noqa: BLE001 - nixl's own error types: a vanished peer may not part cleanly
+                log.warning("%s: forgetting peer %r: %s", self.name, name, e)
         super().remove_peer(name)
 
     # ---- transfers -----------------------------------------------------------------------------
