@@ -99,6 +99,29 @@ def test_a_dead_kv_store_and_a_dead_prefill_rank_cost_only_recomputation(ray_clu
 
 def kill_a_store_and_a_prefill_rank(deployment: Deployment, tiny_checkpoint) -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    # the store dies between a lookup (its prefix pinned for the prefill rank) and the prefill rank's READ
+    # of it: the READ fails to start or to finish, and the prefix is prefilled instead
+    first = prompt(70, seed=78)
+    deployment.generate([first], greedy)  # turn 1: its prompt + answer are written to the store
+    deadline = time.monotonic() + 30
+    while ray.get(deployment.stores[0].lookup.remote(first)) is None:
+        assert time.monotonic() < deadline, "turn 1 never reached the store"
+        time.sleep(0.1)
+    lookup, hits = deployment.client._lookup, []
+
+    def then_the_store_dies(decode_at, ids):
+        hits.append(lookup(decode_at, ids))
+        ray.kill(deployment.stores[0])
+        return hits[-1]
+
+    deployment.client._lookup = then_the_store_dies
+    try:
+        [second] = deployment.generate([first + [7, 8, 9]], greedy)
+    finally:
+        deployment.client._lookup = lookup
+    assert hits[0] is not None and hits[0][0] >= 64, hits  # a pinned prefix it could not read
+    assert_like_single(tiny_checkpoint, [first + [7, 8, 9]], [second.token_ids], greedy)
+
     ray.kill(deployment.stores[0])
     prompts = [prompt(n, seed=80 + n) for n in (20, 45)]
     got = deployment.generate(prompts, greedy)  # lookups fail: plain prefill
