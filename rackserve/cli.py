@@ -8,11 +8,22 @@ import sys
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
+    if args.family == "deepseek_v41":
+        from rackserve.models.deepseek_v41.tiny import make_tiny as make_v41
+
+        given = [f"--{k.replace('_', '-')}" for k, default in (("format", None), ("quant", None), ("scale_fmt", None),
+                                                                ("hot_experts", 0)) if getattr(args, k) != default]
+        if given:
+            raise ValueError(f"{', '.join(given)}: the tiny DeepSeek-V4.1 is always written as published (FP8 "
+                             "linears, FP4 experts, UE8M0 scales); leave them out")
+        path = make_v41(args.dir, seed=args.seed)
+        print(f"wrote the tiny DeepSeek-V4.1 checkpoint (published: FP8 + FP4, Engram tables) to {path}")
+        return 0
     from rackserve.models.deepseek_v4.tiny import make_tiny
 
-    path = make_tiny(args.dir, seed=args.seed, hot_experts=args.hot_experts, fmt=args.format, quant=args.quant,
-                     scale_fmt=args.scale_fmt)
-    print(f"wrote the tiny DeepSeek-V4 checkpoint ({args.format}, quant {args.quant}) to {path}")
+    fmt, quant, scale_fmt = args.format or "ours", args.quant or "none", args.scale_fmt or "ue8m0"
+    path = make_tiny(args.dir, seed=args.seed, hot_experts=args.hot_experts, fmt=fmt, quant=quant, scale_fmt=scale_fmt)
+    print(f"wrote the tiny DeepSeek-V4 checkpoint ({fmt}, quant {quant}) to {path}")
     return 0
 
 
@@ -50,15 +61,37 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _memory(args: argparse.Namespace) -> int:
+# checkpoints whose shape `rackserve memory` knows without their files: by the name of their directory
+_PUBLISHED_SHAPES = ("deepseek-v4-flash", "deepseek-v4.1-flash")
+
+
+def _memory_model(name: str):
+    """The model config `rackserve memory` reports on: a checkpoint directory, a config.json, or (its files
+    not here) a published shape named like the directory; (config, where it came from)."""
     from pathlib import Path
 
-    from rackserve.models.deepseek_v4.config import ModelConfig
+    from rackserve.models import family_of, read_config, read_config_json
+    from rackserve.models.deepseek_v4.config import ModelConfig as V4Config
+    from rackserve.models.deepseek_v41 import FLASH_CONFIG
+
+    path = Path(name)
+    if (path / "config.json").is_file() or path.is_file():
+        raw = read_config_json(path)
+        return family_of(raw).config_from_dict(raw), str(path)
+    shape = path.name.lower()
+    if shape == "deepseek-v4.1-flash":
+        return read_config(FLASH_CONFIG), f"DeepSeek-V4.1-Flash's published config ({name} is not here)"
+    why = "" if shape in _PUBLISHED_SHAPES else f"; give --model a checkpoint or one of {_PUBLISHED_SHAPES}"
+    return V4Config.from_dict({}), f"DeepSeek-V4-Flash's shape ({name} has no config.json here{why})"
+
+
+def _memory(args: argparse.Namespace) -> int:
     from rackserve.models.deepseek_v4.memory import (
-        PRECISIONS,
+        GIB,
         PUBLISHED_STATE_BYTES_PER_TOKEN,
         format_report,
         format_state_report,
+        precisions,
         serving_report,
         slots_per_rank,
         state_report,
@@ -69,12 +102,7 @@ def _memory(args: argparse.Namespace) -> int:
     from rackserve.sim.hardware import PRESETS
 
     config = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
-    model_dir = Path(args.model or config.model)
-    found = (model_dir / "config.json").is_file()
-    if found:
-        model, source = ModelConfig.from_pretrained(model_dir), str(model_dir)
-    else:
-        model, source = ModelConfig.from_dict({}), f"DeepSeek-V4-Flash's shape ({model_dir} has no config.json here)"
+    model, source = _memory_model(args.model or config.model)
     ranks = {}
     for role, shape, redundant in (("prefill", config.prefill, 0), ("decode", config.decode,
                                                                     config.decode_redundant_slots)):
@@ -84,22 +112,27 @@ def _memory(args: argparse.Namespace) -> int:
         decode_slots = slots if role == "decode" else 0
     rows = serving_report(model, ranks)
     # the decode rank's state beside its weights as published (FP8+FP4), on each GPU the simulator knows
-    decode_weights = weight_bytes(model, PRECISIONS["FP8+FP4"]).rank(decode_slots)
+    decode_weights = weight_bytes(model, precisions(model)["FP8+FP4"]).rank(decode_slots)
     state = state_report(model, decode_weights, {name: hw.hbm_bytes for name, hw in PRESETS.items()})
+    host = model.host_table_bytes
     if args.json:
-        print(json.dumps({"model": source, "gib": rows, "state": state}))
+        print(json.dumps({"model": source, "gib": rows, "state": state, "host_tables_gib": host / GIB}))
         return 0
     print(f"weights per GPU, GiB; model: {source}")
     print(format_report(rows))
+    if host:
+        print(f"\nEngram tables in host memory: {host / GIB:.1f} GiB per node (FP8 rows as stored, memory-mapped "
+              "from the checkpoint: the node's ranks share one copy in the page cache; never on the GPU)")
     print(f"\nrequest state (bf16 activations; published V4.1-Flash: {PUBLISHED_STATE_BYTES_PER_TOKEN} bytes/token), "
           "and the decode batch a rank of the config fits beside its FP8+FP4 weights:")
     print(format_state_report(state))
-    if found:
-        quant = model.quantization
-        stored = "bf16" if quant is None else ("FP8+FP4" if quant.expert_dtype == "fp4" else "FP8")
-        print(f"{model_dir} stores its weights as {stored}")
+    quant = model.quantization
+    if quant is not None:
+        stored = "FP8+FP4" if quant.expert_dtype == "fp4" else "FP8"
+        print(f"{source} stores its weights as {stored} ({quant.weight_block_size[0]}×{quant.weight_block_size[1]} "
+              "FP8 blocks)")
     else:
-        print("DeepSeek publishes V4-Flash as FP8+FP4 (FP8 linears, FP4 routed experts)")
+        print("DeepSeek publishes its checkpoints as FP8+FP4 (FP8 linears, FP4 routed experts)")
     return 0
 
 
@@ -133,12 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     tiny.add_argument("--hot-experts", type=int, default=0,
                       help="bias the learned routers towards the first N experts (skewed load for EPLB)")
-    tiny.add_argument("--format", choices=("ours", "published"), default="ours",
-                      help="published: DeepSeek's tensor names, shards + index, BF16 / FP8 / FP4 as published")
-    tiny.add_argument("--quant", choices=("none", "fp8", "fp4"), default="none",
-                      help="with --format published: fp8 (FP8 linears and experts) or fp4 (FP4 routed experts)")
-    tiny.add_argument("--scale-fmt", choices=("ue8m0", "float"), default="ue8m0",
-                      help="FP8/FP4 scales as power-of-two exponent bytes (as published) or fp32")
+    tiny.add_argument("--family", choices=("deepseek_v4", "deepseek_v41"), default="deepseek_v4",
+                      help="deepseek_v41: DeepSeek-V4.1 as published (HF config with text_config, DeepSeek's names, "
+                           "FP8 32x32 + FP4, Engram tables), every V4.1 feature present")
+    tiny.add_argument("--format", choices=("ours", "published"),
+                      help="V4: published = DeepSeek's tensor names, shards + index, BF16 / FP8 / FP4 (default ours)")
+    tiny.add_argument("--quant", choices=("none", "fp8", "fp4"),
+                      help="V4 with --format published: fp8 (FP8 linears and experts) or fp4 (FP4 routed experts)")
+    tiny.add_argument("--scale-fmt", choices=("ue8m0", "float"),
+                      help="V4: FP8/FP4 scales as power-of-two exponent bytes (as published, default) or fp32")
     tiny.set_defaults(func=_make_tiny)
 
     gen = sub.add_parser("generate", help="generate text offline in this process (default: the tiny model)")
@@ -168,8 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "and request state bytes by state_dtype with the decode batch that fits at "
                                         "128K context (meta device: nothing is loaded)")
     mem.add_argument("--config", help="a serve config, e.g. deploy/gb300-nvl72.yaml (default: the built-in one)")
-    mem.add_argument("--model", help="a checkpoint directory (default: the config's model; V4-Flash's shape if "
-                                     "it is not here)")
+    mem.add_argument("--model", help="a checkpoint directory or its config.json (default: the config's model; "
+                                     "without its files, the published shape its name says: DeepSeek-V4.1-Flash, "
+                                     "else V4-Flash)")
     mem.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     mem.set_defaults(func=_memory)
 

@@ -20,9 +20,9 @@ class ConfigError(ValueError):
 
 MAX_SPECULATIVE_TOKENS = 3
 WEIGHTS = ("stored", "dequantize")
-# how compressed entries / indexer keys are held: the model dtype, FP8 / FP8, FP8 / FP4
-# (models.deepseek_v4.state)
-STATE_DTYPES = ("auto", "fp8", "fp8-fp4")
+# how compressed entries / indexer keys are held: the model dtype, FP8 / FP8, FP8 / FP4, FP4 / FP4 with
+# one-byte scales (DeepSeek-V4.1's format) (models.deepseek_v4.state)
+STATE_DTYPES = ("auto", "fp8", "fp8-fp4", "fp4")
 COMPILE = ("off", "on", "trace")
 
 
@@ -52,9 +52,10 @@ class EngineConfig:
     weights: "stored" keeps a quantized checkpoint's FP8/FP4 weights as stored (computed by block-scaled
       kernels); "dequantize" turns them into `dtype` at load, for machines without FP8 kernels.
     state_dtype: how compressed entries and indexer keys are held: "auto" (the model dtype), "fp8"
-      (both FP8 e4m3, block-scaled) or "fp8-fp4" (entries FP8, indexer keys FP4 e2m1); windows and
-      compressor carries stay in the model dtype (see `rackserve.models.deepseek_v4.state`). Prefill and decode
-      ranks that move state between them must agree.
+      (both FP8 e4m3, block-scaled), "fp8-fp4" (entries FP8, indexer keys FP4 e2m1) or "fp4"
+      (DeepSeek-V4.1's format: entries FP4 with an E4M3 scale per 16 values, indexer keys FP4 with a
+      UE8M0 scale per 32); windows and compressor carries stay in the model dtype (see
+      `rackserve.models.deepseek_v4.state`). Prefill and decode ranks that move state between them must agree.
     compile: the decode forward on fixed shapes (`rackserve.engine.graphs`): "off" (eager), "on"
       (CUDA graphs on CUDA, torch.compile elsewhere, compiled once per shape and cached on disk) or
       "trace" (traced as one graph and run without code generation: checks capture safety quickly).

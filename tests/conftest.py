@@ -57,6 +57,22 @@ def published_fp4(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def v41_checkpoint(tmp_path_factory):
+    """The tiny DeepSeek-V4.1 checkpoint, laid out as published (`rackserve make-tiny --family deepseek_v41`)."""
+    from rackserve.models.deepseek_v41.tiny import make_tiny as make_tiny_v41
+
+    return make_tiny_v41(tmp_path_factory.mktemp("v41"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def v41_reference(v41_checkpoint):
+    """The plain slow V4.1 forward of `tests/v41_reference.py` over the same files."""
+    from v41_reference import ReferenceV41
+
+    return ReferenceV41(v41_checkpoint)
+
+
+@pytest.fixture(scope="session")
 def reference(ref_checkpoint):
     from transformers import DeepseekV4ForCausalLM
 

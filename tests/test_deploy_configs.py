@@ -10,7 +10,6 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from rackserve.config import ConfigError, EngineConfig
-from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
 from rackserve.serve.config import BUILDER, ServeConfig
 from rackserve.serve.ingress import check_direct_ingress, direct_ingress_env
@@ -36,12 +35,13 @@ def test_the_gb300_deployment_plans_onto_four_nvl72_racks():
     assert placed.summary() == {"racks_used": 4, "gpus_used": 288, "gpus_total": 288, "stranded_gpus": 0,
                                 "instances": 54, "kv_stores": 72}
     assert all(len({(g.rack, g.tray) for g in i.gpus}) == 1 for i in placed.instances if i.role == "prefill")
-    from transformers import DeepseekV4Config
+    from rackserve.models import read_config
+    from rackserve.models.deepseek_v41 import FLASH_CONFIG
 
-    flash = ModelConfig.from_dict(DeepseekV4Config().to_dict())  # a V4-Flash-class model
+    flash = read_config(FLASH_CONFIG)  # the model it serves: DeepSeek-V4.1-Flash
     for role in (config.prefill_engine, config.decode_engine):
         engine = EngineConfig(**{**config.engine, **role}).resolve(flash)
-        assert engine.block_size == 128 and engine.max_model_len == 131072
+        assert engine.block_size == 16 and engine.max_model_len == 131072 and engine.state_dtype == "fp4"
     assert EngineConfig(**{**config.engine, **config.decode_engine}).eplb_interval == 3000
     assert config.decode_redundant_slots == 32
 

@@ -101,41 +101,47 @@ def test_sink_attention_only_own_key(dtype, splits):
     assert_close(out, sink_attention_torch(q, sources, rows, valid, sinks, 40**-0.5), tolerance(dtype))
 
 
-def packed(rows: torch.Tensor, kind: str, block: int) -> PackedRows:
-    """`rows` `[N, d]` stored as packed `kind` rows (what a quantised state holds), read back in their dtype."""
-    fmt = RowFormat(kind, rows.shape[1], block)
+def packed(rows: torch.Tensor, kind: str, block: int, scale: str = "fp32") -> PackedRows:
+    """`rows` `[N, d]` stored as packed `kind` rows with `scale` scales (what a quantised state holds),
+    read back in their dtype."""
+    fmt = RowFormat(kind, rows.shape[1], block, scale)
     return PackedRows(fmt.encode(rows), fmt, rows.dtype)
 
 
 # Packed entries (the third source) as a quantised state holds them; the kernel decodes them in
 # registers and must read exactly the keys the reference decodes: same tolerance as plain keys. The
-# decode is the same in both launch shapes: each format takes one (the plain tests cover both).
+# decode is the same in both launch shapes: each format takes one (the plain tests cover both). Every
+# fifth row is left as fresh state memory holds it, all-zero bytes (decoded: zeros).
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind,block,splits", [("fp8", 8, None), ("fp4", 16, 3)], ids=["fp8-auto", "fp4-split3"])
+@pytest.mark.parametrize("kind,block,scale,splits", [("fp8", 8, "fp32", None), ("fp4", 16, "fp32", 3),
+                                                     ("fp4", 8, "e4m3", None), ("fp8", 8, "ue8m0", 3)],
+                         ids=["fp8-auto", "fp4-split3", "fp4-e4m3-auto", "fp8-ue8m0-split3"])
 @pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if len(c[4]) == 3], ids=str)
-def test_sink_attention_on_packed_entries(case, kind, block, dtype, splits):
+def test_sink_attention_on_packed_entries(case, kind, block, scale, dtype, splits):
     t, h, d, k, sizes = case
     q, sources, rows, valid, sinks = attention_inputs(t, h, d, k, sizes, dtype, seed=ATTENTION_CASES.index(case))
-    sources[2] = packed(sources[2], kind, block)
+    sources[2] = packed(sources[2], kind, block, scale)
+    sources[2].data[::5] = 0
     assert sources[2].data.dtype == torch.uint8
     out = sink_attention_triton(q, sources, rows, valid, sinks, d**-0.5, splits=splits)
     assert_close(out, sink_attention_torch(q, sources, rows, valid, sinks, d**-0.5), tolerance(dtype))
 
 
 # V4-Flash's per-head sizes on two tokens: 64 heads of 512 (the launcher's widest tiles: BLOCK_D 512, 16 keys),
-# keys from a window, this step's rows and compressed entries, the entries plain or FP8 as state_dtype="fp8-fp4"
-# holds them; unsplit and split (decode).
+# keys from a window, this step's rows and compressed entries, the entries plain, FP8 as state_dtype="fp8-fp4"
+# holds them or FP4 with e4m3 scales per 16 as "fp4" does; unsplit and split (decode).
 V4_FLASH = ModelConfig.from_dict({})
 
 
 @pytest.mark.parametrize("splits", [None, 3], ids=["auto", "split3"])
-@pytest.mark.parametrize("entries", ["plain", "fp8"])
+@pytest.mark.parametrize("entries", ["plain", "fp8-fp4", "fp4"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_sink_attention_at_v4_flash_sizes(dtype, entries, splits):
     heads, d = V4_FLASH.num_attention_heads, V4_FLASH.head_dim
     q, sources, rows, valid, sinks = attention_inputs(2, heads, d, 40, (32, 2, 20), dtype, seed=7)
-    if entries == "fp8":
-        sources[2] = packed(sources[2], "fp8", row_formats(V4_FLASH, "fp8-fp4")[0].block)
+    if entries != "plain":
+        fmt = row_formats(V4_FLASH, entries)[0]
+        sources[2] = packed(sources[2], fmt.kind, fmt.block, fmt.scale)
     out = sink_attention_triton(q, sources, rows, valid, sinks, d**-0.5, splits=splits)
     assert_close(out, sink_attention_torch(q, sources, rows, valid, sinks, d**-0.5), tolerance(dtype))
 
@@ -175,15 +181,15 @@ def test_indexer_scores(t, e, h, d, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind,block", [("fp8", 16), ("fp4", 8)])
+@pytest.mark.parametrize("kind,block,scale", [("fp8", 16, "fp32"), ("fp4", 8, "fp32"), ("fp4", 8, "ue8m0")])
 @pytest.mark.parametrize("t,e,k", [(5, 13, 4), (2, 300, 50)])
-def test_indexer_on_packed_keys(t, e, k, kind, block, dtype):
+def test_indexer_on_packed_keys(t, e, k, kind, block, scale, dtype):
     """Keys held packed: the scores equal the reference's on the decoded keys, and the fused top-k
     ranks like them up to near-ties."""
     g = torch.Generator().manual_seed(e + k)
     h, d = 3, 32
     q = torch.randn(t, h, d, generator=g).to(dtype)
-    keys = packed(torch.randn(60, d, generator=g).to(dtype).to(DEVICE), kind, block)
+    keys = packed(torch.randn(60, d, generator=g).to(dtype).to(DEVICE), kind, block, scale)
     rows = torch.randint(0, 60, (t, e), generator=g)
     visible = torch.rand(t, e, generator=g) < 0.8
     head_w = torch.randn(t, h, generator=g)

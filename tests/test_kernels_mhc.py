@@ -23,6 +23,8 @@ from rackserve.kernels import dispatch
 from rackserve.kernels.mhc import (
     mhc_head_torch,
     mhc_head_triton,
+    mhc_mix_torch,
+    mhc_mix_triton,
     mhc_post_torch,
     mhc_post_triton,
     mhc_pre_torch,
@@ -69,6 +71,21 @@ def test_mhc_pre(t, n, d, dtype):
     else:
         fp32 = mhc_pre_torch(streams.float(), fn, base, scale, ITERS, HC_EPS, NORM_EPS)[2]
         close_bf16(collapsed, ref_collapsed, fp32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,n,d", [(7, 4, 100), (2, 4, 4096)])
+def test_mhc_mix(t, n, d, dtype):
+    """The weights alone (V4.1's delayed mHC collapses a later block with `pre`): the kernel's pre, post
+    and comb equal the reference's, and `mhc_pre`'s collapse is the collapse with that pre."""
+    streams, fn, base, scale = inputs(t, n, d, dtype, (2 + n) * n, seed=t * 1000 + n * 10 + d + 3)
+    got = mhc_mix_triton(streams, fn, base, scale, ITERS, HC_EPS, NORM_EPS)
+    ref = mhc_mix_torch(streams, fn, base, scale, ITERS, HC_EPS, NORM_EPS)
+    assert [x.shape for x in got] == [(t, n), (t, n), (t, n, n)] and all(x.dtype == torch.float32 for x in got)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    collapsed = mhc_pre_torch(streams, fn, base, scale, ITERS, HC_EPS, NORM_EPS)[2]
+    torch.testing.assert_close(collapsed, (ref[0].unsqueeze(-1) * streams).sum(1).to(dtype), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

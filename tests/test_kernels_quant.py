@@ -10,6 +10,8 @@ Bounds, elementwise, with y = x / scale:
   0.9998 (0.94 of the looser form).
 - fp4: |x − deq| ≤ scale (half the widest gap, 4 -> 6), reached at y = ±5 (random inputs: 0.9996);
   exact on representable values.
+One-byte scales (e4m3, ue8m0) are checked bit for bit too, and against rows computed by hand; packed
+rows (`RowFormat`): their byte layout, and that all-zero bytes (fresh state memory) decode to zeros.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ import pytest
 import torch
 
 from rackserve.kernels import dispatch
+from rackserve.kernels.packed_rows import RowFormat
 from rackserve.kernels.quant import (
     E2M1,
+    SCALE_DTYPES,
+    SCALES,
     dequantize_fp4_torch,
     dequantize_fp4_triton,
     dequantize_fp8_torch,
@@ -31,12 +36,17 @@ from rackserve.kernels.quant import (
     quantize_fp8_torch,
     quantize_fp8_triton,
 )
+from rackserve.models.deepseek_v4.config import ModelConfig
+from rackserve.models.deepseek_v4.state import row_formats
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)
 
 
 
 SHAPES = [(1, 64, 32), (7, 100, 32), (33, 256, 128), (7, 100, 128), (33, 101, 32), (7, 1, 32)]  # (rows, D, block)
+# (rows, D, block, scale format): every shape with fp32 scales, a few with one-byte scales (odd D included)
+SCALED_SHAPES = [(*shape, "fp32") for shape in SHAPES] + [(7, 100, 16, "e4m3"), (7, 101, 32, "ue8m0"),
+                                                          (3, 512, 16, "ue8m0"), (3, 128, 32, "e4m3")]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -63,12 +73,13 @@ def per_element(scales: torch.Tensor, block: int, d: int) -> torch.Tensor:
 # ---- Triton == torch, bit for bit ------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("n,d,block", SHAPES)
-def test_fp8_kernels_equal_reference(n, d, block, dtype):
+@pytest.mark.parametrize("n,d,block,scale", SCALED_SHAPES)
+def test_fp8_kernels_equal_reference(n, d, block, scale, dtype):
     x = sample(n, d, dtype, seed=n * 1000 + d + block)
-    q, scales = quantize_fp8_triton(x, block)
-    ref_q, ref_scales = quantize_fp8_torch(x, block)
+    q, scales = quantize_fp8_triton(x, block, scale)
+    ref_q, ref_scales = quantize_fp8_torch(x, block, scale)
     assert q.dtype == torch.uint8 and q.shape == (n, d) and scales.shape == (n, -(-d // block))
+    assert scales.dtype == ref_scales.dtype
     assert torch.equal(q, ref_q)
     assert torch.equal(bits(scales), bits(ref_scales))
     for out in (torch.float32, torch.bfloat16):
@@ -78,12 +89,13 @@ def test_fp8_kernels_equal_reference(n, d, block, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("n,d,block", SHAPES)
-def test_fp4_kernels_equal_reference(n, d, block, dtype):
+@pytest.mark.parametrize("n,d,block,scale", SCALED_SHAPES)
+def test_fp4_kernels_equal_reference(n, d, block, scale, dtype):
     x = sample(n, d, dtype, seed=n * 1000 + d + block + 1)
-    packed, scales = quantize_fp4_triton(x, block)
-    ref_packed, ref_scales = quantize_fp4_torch(x, block)
+    packed, scales = quantize_fp4_triton(x, block, scale)
+    ref_packed, ref_scales = quantize_fp4_torch(x, block, scale)
     assert packed.dtype == torch.uint8 and packed.shape == (n, (d + 1) // 2) and scales.shape == (n, -(-d // block))
+    assert scales.dtype == ref_scales.dtype
     assert torch.equal(packed, ref_packed)
     assert torch.equal(bits(scales), bits(ref_scales))
     for out in (torch.float32, torch.bfloat16):
@@ -182,6 +194,98 @@ def test_zeros_odd_d_and_signs():
         assert deq[1, 0].item() == -3.0 and deq[1, 3].item() == 6.0
 
 
+def codes_of(packed: torch.Tensor) -> list[int]:
+    """Packed fp4 bytes `[1, D/2]` -> the D codes, element 2i from the low nibble."""
+    return torch.stack([packed & 0xF, packed >> 4], -1).flatten().tolist()
+
+
+FP4_IMPLEMENTATIONS = ((quantize_fp4_torch, dequantize_fp4_torch), (quantize_fp4_triton, dequantize_fp4_triton))
+
+
+def test_e4m3_scales_by_hand():
+    """FP4 codes with e4m3 scales per 4 (DeepSeek-V4.1's entries, in shorter blocks): scale = amax / 6
+    rounded to e4m3, codes of x / that scale. Blocks: 1.25 exact, with e2m1 ties; 6.375 / 6 = 1.0625,
+    the tie between 1 and 1.125, goes to the even 1 (x / 1 = 6.375 saturates to 6); 6.6 / 6 = 1.1
+    rounds to 1.125 (6.6 / 1.125 = 5.87 -> 6); 6000 / 6 saturates at 448; zeros get 2⁻⁹, the smallest."""
+    x = torch.tensor([[7.5, -3.125, 0.3125, 0.9375, 6.375, 1.0, 0.0, -0.0, 6.6, 0.0, 0.0, 0.0,
+                       6000.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.0]], device=DEVICE)
+    want_codes = [7, 8 | 4, 0, 2, 7, 2, 0, 8, 7, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 8]
+    want = [7.5, -2.5, 0.0, 1.25, 6.0, 1.0, 0.0, -0.0, 6.75, 0.0, 0.0, 0.0, 2688.0, 0.0, 0.0, 0.0,
+            0.0, 0.0, 0.0, -0.0]
+    for quantize, dequantize in FP4_IMPLEMENTATIONS:
+        packed, scales = quantize(x, 4, "e4m3")
+        assert scales.dtype == torch.float8_e4m3fn
+        assert scales.view(torch.uint8).tolist() == [[0x3A, 0x38, 0x39, 0x7E, 0x01]]
+        assert codes_of(packed) == want_codes
+        deq = dequantize(packed, scales, 4, 20)
+        assert torch.equal(bits(deq), bits(torch.tensor([want], device=DEVICE)))
+
+
+def test_ue8m0_scales_by_hand():
+    """Power-of-two scales 2^ceil(log2(amax / max)), exact: amax 6 -> 1 (e 127), the next float above 6
+    -> 2 (128), 3 -> 0.5 (126), 5 -> 1 (127; 5 is an e2m1 tie, to 4), zeros -> 2⁻¹²⁶ (1). FP8 codes too
+    (MXFP8): amax 448 -> 1, 449 -> 2."""
+    above_six = torch.nextafter(torch.tensor(6.0), torch.tensor(7.0)).item()
+    x = torch.tensor([[6.0, 1.5, -0.25, 0.75, above_six, 0.0, 0.0, 1.0, 3.0, -3.0, 0.75, 0.0,
+                       5.0, 0.0, 0.0, 0.0, 0.0, -0.0, 0.0, 0.0]], device=DEVICE)
+    want_codes = [7, 3, 8, 2, 5, 0, 0, 1, 7, 8 | 7, 3, 0, 6, 0, 0, 0, 0, 8, 0, 0]
+    want = [6.0, 1.5, -0.0, 1.0, 6.0, 0.0, 0.0, 1.0, 3.0, -3.0, 0.75, 0.0, 4.0, 0.0, 0.0, 0.0,
+            0.0, -0.0, 0.0, 0.0]
+    for quantize, dequantize in FP4_IMPLEMENTATIONS:
+        packed, scales = quantize(x, 4, "ue8m0")
+        assert scales.dtype == torch.float8_e8m0fnu
+        assert scales.view(torch.uint8).tolist() == [[127, 128, 126, 127, 1]]
+        assert codes_of(packed) == want_codes
+        assert torch.equal(bits(dequantize(packed, scales, 4, 20)), bits(torch.tensor([want], device=DEVICE)))
+    x8 = torch.tensor([[448.0, 449.0, 0.0]], device=DEVICE)
+    for quantize in (quantize_fp8_torch, quantize_fp8_triton):
+        q, scales = quantize(x8, 1, "ue8m0")
+        assert scales.view(torch.uint8).tolist() == [[127, 128, 1]]
+        assert dequantize_fp8_torch(q, scales, 1).tolist() == [[448.0, 448.0, 0.0]]  # 449 / 2 -> 224
+
+
+V4_FLASH = ModelConfig.from_dict({})
+
+
+def test_row_layouts():
+    """fp32 scales: codes padded to 4 bytes, 4 bytes a scale (unchanged); one-byte scales: codes
+    unpadded, a byte a scale, so DeepSeek-V4.1's entry is 288 bytes and its indexer key 68."""
+    assert [RowFormat("fp4", 512, 16, "e4m3").row_bytes, RowFormat("fp4", 128, 32, "ue8m0").row_bytes] == [288, 68]
+    assert row_formats(V4_FLASH, "fp4") == (RowFormat("fp4", 512, 16, "e4m3"), RowFormat("fp4", 128, 32, "ue8m0"))
+    assert [f.row_bytes for f in row_formats(V4_FLASH, "fp8-fp4")] == [512 + 8 * 4, 64 + 4 * 4]
+    assert [RowFormat("fp4", 5, 4).row_bytes, RowFormat("fp4", 5, 4, "e4m3").row_bytes,
+            RowFormat("fp8", 5, 4, "ue8m0").row_bytes] == [4 + 2 * 4, 3 + 2, 5 + 2]
+    x = sample(3, 37, torch.float32, seed=11)
+    fp4, fp8 = RowFormat("fp4", 37, 4, "e4m3"), RowFormat("fp8", 37, 8, "ue8m0")
+    codes, scales = quantize_fp4_torch(x, 4, "e4m3")
+    assert torch.equal(fp4.encode(x), torch.cat([codes, scales.view(torch.uint8)], 1))  # [codes | scale bytes]
+    assert torch.equal(fp4.decode(fp4.encode(x), torch.float32), dequantize_fp4_torch(codes, scales, 4, 37))
+    codes, scales = quantize_fp8_torch(x, 8, "ue8m0")
+    assert torch.equal(fp8.encode(x), torch.cat([codes, scales.view(torch.uint8)], 1))
+    assert torch.equal(fp8.decode(fp8.encode(x), torch.float32), dequantize_fp8_torch(codes, scales, 8))
+    with pytest.raises(ValueError, match=r"scale='e8m0': use one of \('fp32', 'e4m3', 'ue8m0'\)"):
+        RowFormat("fp4", 128, 32, "e8m0")
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_zero_bytes_and_zero_rows_decode_to_zeros(scale):
+    """Fresh state memory is all-zero bytes: scale 0 (fp32, e4m3) or 2⁻¹²⁷ (ue8m0) times code 0, so
+    zeros, never NaN; and all-zero rows encode to rows that decode to zeros, signs kept."""
+    for kind in ("fp8", "fp4"):
+        fmt = RowFormat(kind, 40, 8, scale)
+        zero = torch.zeros(3, 40, device=DEVICE)
+        fresh = torch.zeros(3, fmt.row_bytes, dtype=torch.uint8, device=DEVICE)
+        assert torch.equal(fmt.decode(fresh, torch.float32), zero)
+        signed = zero.clone()
+        signed[1] = -0.0
+        assert torch.equal(bits(fmt.decode(fmt.encode(signed), torch.float32)), bits(signed))
+    codes = torch.zeros(2, 40, dtype=torch.uint8, device=DEVICE)
+    dtype = SCALE_DTYPES[scale]
+    scales = torch.zeros(2, 5 * dtype.itemsize, dtype=torch.uint8, device=DEVICE).view(dtype)
+    assert torch.equal(dequantize_fp8_triton(codes, scales, 8), torch.zeros(2, 40, device=DEVICE))
+    assert torch.equal(dequantize_fp4_triton(codes[:, :20], scales, 8, 40), torch.zeros(2, 40, device=DEVICE))
+
+
 @pytest.mark.parametrize("block", [16, 32, 128])
 def test_bytes_per_element(block):
     n, d = 4, 512
@@ -201,6 +305,8 @@ def test_invalid_arguments_say_what_to_change():
         quantize_fp4_triton(x, 3)
     with pytest.raises(ValueError, match=r"x \[N, D\]"):
         quantize_fp8_triton(torch.zeros(2, 3, 4), 4)
+    with pytest.raises(ValueError, match="scale='e8m0': use one of"):
+        quantize_fp4_triton(x, 4, "e8m0")
 
 
 def test_dispatch_picks_the_kernels(monkeypatch):

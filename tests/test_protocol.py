@@ -221,8 +221,10 @@ def test_message_content_parts_are_joined():
     ([{"role": "tool", "content": "x"}], ["messages[0].role", "tool", "system"]),
     ([{"content": "x"}], ["messages[0].role is null"]),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], ["messages[1].content", "number"]),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
-     ["messages[0].content[0] has type \"image_url\"", "only text parts"]),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}],
+     ["messages[0].content[1] is an image (image_url)", "serves text only", "send the text alone"]),
+    ([{"role": "user", "content": [{"type": "audio", "audio": {}}]}],
+     ["messages[0].content[0] has type \"audio\"", "only text parts"]),
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, 5]}], ["messages[0].content[1] is a JSON number"]),
     ([{"role": "assistant", "content": None}], ["messages[0].content", "null"]),
 ])

@@ -20,7 +20,8 @@ from rackserve.config import ConfigError
 from rackserve.models.deepseek_v4.config import HCA
 from rackserve.engine import LLM, SamplingParams
 from rackserve.kernels import dispatch
-from rackserve.models.deepseek_v4 import ForwardBatch, load_model
+from rackserve.models import load_model
+from rackserve.models.deepseek_v4 import ForwardBatch
 
 LENGTHS = (300, 137, 64, 211)  # ragged; 300 tokens cross 75 CSA and 18 HCA boundaries of the tiny model
 CHUNK = 8  # tokens per request per step: every window and carry is read back from the state many times
@@ -61,25 +62,38 @@ def run_chunked(model, state_dtype: str, lengths=LENGTHS, chunk: int = CHUNK) ->
 #                      bf16 yardstick        fp8                   fp8-fp4
 #   tiny (fp32)        0.042 (2.22) 91.4 %   0.026 (1.96) 94.7 %   0.046 (1.99) 90.7 %
 #   published FP8+FP4  0.031 (2.09) 92.7 %   0.028 (1.84) 95.1 %   0.045 (2.14) 90.9 %
+#   tiny V4.1          0.124 (3.56) 74.9 %   0.106 (3.24) 80.1 %   0.176 (3.24) 66.6 %
 #
-# Bounds: fp8 within the yardstick's mean, fp8-fp4 (keys rounded 16× coarser) within 1.6× it; maxima
-# within 1.25× the yardstick's; greedy choices kept a few points under what was observed.
+# and "fp4" (FP4 entries too, one-byte scales: DeepSeek-V4.1's format): tiny 0.076 (3.08) 85.3 %, tiny V4.1
+# 0.204 (3.36) 62.6 %. The tiny V4.1 picks 6 of dozens of entries with two index heads, so a rounded key often
+# changes the choice (its bf16 run too: 74.9 %).
+# Bounds: fp8 within the yardstick's mean, fp8-fp4 (keys rounded 16× coarser) within 1.6× it, fp4 within 2×;
+# maxima within 1.25× the yardstick's (fp4: 1.5×); greedy choices kept a few points under what was observed.
+BOUNDS = {  # (checkpoint, state_dtype): (mean, max bound × the yardstick's, least share of greedy choices kept)
+    ("tiny_checkpoint", "fp8"): (1.0, 1.25, 0.92), ("tiny_checkpoint", "fp8-fp4"): (1.6, 1.25, 0.88),
+    ("tiny_checkpoint", "fp4"): (2.0, 1.5, 0.82),
+    ("published_fp4", "fp8"): (1.0, 1.25, 0.92), ("published_fp4", "fp8-fp4"): (1.6, 1.25, 0.88),
+    ("v41_checkpoint", "fp8"): (1.0, 1.25, 0.75), ("v41_checkpoint", "fp8-fp4"): (1.6, 1.25, 0.6),
+    ("v41_checkpoint", "fp4"): (2.0, 1.5, 0.55),
+}
+
+
 @functools.cache
 def references(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The checkpoint's logits with its state held as its dtype ("auto"), and computed wholly in bf16."""
     return run_chunked(load_model(path), "auto")[0], run_chunked(load_model(path, dtype="bfloat16"), "auto")[0]
 
 
-@pytest.mark.parametrize("checkpoint", ["tiny_checkpoint", "published_fp4"])
-@pytest.mark.parametrize("state_dtype,mean_bound,min_agreement", [("fp8", 1.0, 0.92), ("fp8-fp4", 1.6, 0.88)])
-def test_logits_stay_within_the_bf16_yardstick(request, checkpoint, state_dtype, mean_bound, min_agreement):
+@pytest.mark.parametrize("checkpoint,state_dtype", sorted(BOUNDS))
+def test_logits_stay_within_the_bf16_yardstick(request, checkpoint, state_dtype):
+    mean_bound, max_bound, min_agreement = BOUNDS[checkpoint, state_dtype]
     path = request.getfixturevalue(checkpoint)
     exact, bf16 = references(str(path))
     logits = run_chunked(load_model(path), state_dtype)[0]
     err, yardstick = (logits - exact).abs(), (bf16.float() - exact).abs()
     agreement = (logits.argmax(-1) == exact.argmax(-1)).float().mean().item()
     assert err.mean() <= mean_bound * yardstick.mean(), (err.mean(), yardstick.mean())
-    assert err.max() <= 1.25 * yardstick.max(), (err.max(), yardstick.max())
+    assert err.max() <= max_bound * yardstick.max(), (err.max(), yardstick.max())
     assert agreement >= min_agreement, agreement
     assert err.mean() > 0  # the state really was quantised
 

@@ -70,12 +70,12 @@ def feasibility(experts: int) -> tuple[str, float, float]:
     GPU), the last two for `experts` experts a layer; nothing is allocated (meta device)."""
     from rackserve.models.deepseek_v4.config import ModelConfig
     from rackserve.models.deepseek_v4.loader import build_model
-    from rackserve.models.deepseek_v4.memory import GIB, PRECISIONS, weight_bytes
+    from rackserve.models.deepseek_v4.memory import GIB, precisions, weight_bytes
 
     def sizes(n: int) -> tuple[float, float]:
         config = ModelConfig.from_dict(model_config(False, n))
         params = sum(t.numel() for t in build_model(config, torch.float32, materialize=False).state_dict().values())
-        return 4 * params / GIB, weight_bytes(config, PRECISIONS["FP8+FP4"]).full_copy / GIB
+        return 4 * params / GIB, weight_bytes(config, precisions(config)["FP8+FP4"]).full_copy / GIB
 
     host_256, gpu_256 = sizes(256)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB

@@ -12,7 +12,10 @@ uses shared memory (triton 3.x):
   launch says); a tile computed in registers first (FP8/FP4 codes decoded, keys merged from several
   sources with `where`, softmax probabilities) is stored once per use.
 - Layout conversions: a GEMM's fp32 accumulator before its store (in the operands' space, dead by
-  then); packed state rows decoded to fp32 before their dot, with their int64 row offsets.
+  then); packed state rows with fp32 scales decoded to fp32 before their dot, with their int64 row
+  offsets. Rows with one-byte scales (e4m3, ue8m0: read from the same bytes as their codes) need
+  none: compiled for sm_90, attention and the indexer then take what they take on plain rows (49,408
+  and 24,576 bytes at T = 256, FP8 or FP4 codes alike, against 114,944 and 41,216 with fp32 scales).
 - A kernel without `tl.dot` reduces across warps through scratch: its largest reduction's result,
   fp32, once per warp. Every launch gets 1 KiB more for pipeline barriers and small reductions.
 
@@ -90,7 +93,8 @@ def recording() -> Iterator[list[Launch]]:
 
 def launches(tokens: int, dtype: torch.dtype = torch.bfloat16) -> list[Launch]:
     """Every kernel launch of a V4-Flash layer's ops on `tokens` tokens, in `dtype`: plain and packed
-    state rows (`state_dtype` auto and fp8-fp4), FP8 linears (plain and grouped), FP8 and FP4 experts."""
+    state rows (`state_dtype` auto, fp8-fp4 and fp4: fp32 and one-byte scales), FP8 linears (plain and
+    grouped), FP8 and FP4 experts."""
     from rackserve.kernels import attention, block_scaled, compressor, indexer, mhc, moe, quant, routing
     from rackserve.kernels.block_scaled import FP8, UE8M0
     from rackserve.kernels.packed_rows import PackedRows
@@ -103,7 +107,7 @@ def launches(tokens: int, dtype: torch.dtype = torch.bfloat16) -> list[Launch]:
     def meta(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
         return torch.empty(*shape, dtype=dt, device="meta")
 
-    entries_fmt, keys_fmt = row_formats(c, "fp8-fp4")
+    formats = [row_formats(c, state_dtype) for state_dtype in ("fp8-fp4", "fp4")]  # (entries, keys) each
     keys_seen, candidates = c.sliding_window + c.index_topk, 4 * c.index_topk  # a CSA query at 8K tokens
     # the routing the MoE launchers read on the host (real ids: they sort them); everything else meta
     ids = torch.randint(0, c.n_routed_experts, (t, c.num_experts_per_tok))
@@ -135,7 +139,8 @@ def launches(tokens: int, dtype: torch.dtype = torch.bfloat16) -> list[Launch]:
                                        dt=FP8), meta(groups, o_rank // 128, heads * hd // groups // 128, dt=UE8M0))
         q, rows = meta(t, heads, hd), meta(t, keys_seen, dt=torch.int64)
         valid = meta(t, keys_seen, dt=torch.bool)
-        for entries in (meta(t, hd), PackedRows(meta(t, entries_fmt.row_bytes, dt=torch.uint8), entries_fmt, dtype)):
+        packed = [PackedRows(meta(t, fmt.row_bytes, dt=torch.uint8), fmt, dtype) for fmt, _ in formats]
+        for entries in (meta(t, hd), *packed):
             attention.sink_attention_triton(q, (meta(t, hd), meta(t, hd), entries), rows, valid, meta(heads, dt=f32),
                                             hd ** -0.5)
         for rate, overlap in ((c.csa_compress_rate, True), (c.hca_compress_rate, False)):
@@ -145,14 +150,14 @@ def launches(tokens: int, dtype: torch.dtype = torch.bfloat16) -> list[Launch]:
                                             meta(rate, width, dt=f32), overlap)
         iq, head_w = meta(t, c.index_n_heads, c.index_head_dim), meta(t, c.index_n_heads, dt=f32)
         irows, visible = meta(t, candidates, dt=torch.int64), meta(t, candidates, dt=torch.bool)
-        for keys in (meta(candidates, c.index_head_dim),
-                     PackedRows(meta(candidates, keys_fmt.row_bytes, dt=torch.uint8), keys_fmt, dtype)):
+        packed = [PackedRows(meta(candidates, fmt.row_bytes, dt=torch.uint8), fmt, dtype) for _, fmt in formats]
+        for keys in (meta(candidates, c.index_head_dim), *packed):
             indexer.indexer_topk_triton(iq, keys, irows, visible, head_w, c.index_topk)
             indexer.indexer_scores_triton(iq, keys, irows, visible, head_w)
-        for fmt in (entries_fmt, keys_fmt):
+        for fmt in (fmt for pair in formats for fmt in pair):
             rows_x = meta(t, fmt.dim, dt=f32)
             codes, scales = (quant.quantize_fp8_triton if fmt.kind == "fp8" else quant.quantize_fp4_triton)(
-                rows_x, fmt.block)
+                rows_x, fmt.block, fmt.scale)
             if fmt.kind == "fp8":
                 quant.dequantize_fp8_triton(codes, scales, fmt.block, dtype)
             else:
@@ -172,10 +177,11 @@ def _operand(a: dict, tensor: str) -> int:
     return _bytes(tl_dtype(a[tensor].dtype))
 
 
-def _packed(rows: int, width: int, tiles: int) -> int:
-    """Packed state rows decoded in registers (`load_packed`): `tiles` fp32 `[rows, width]` layout
-    conversions of the decoded values, and the rows' int64 byte offsets."""
-    return tiles * rows * width * 4 + rows * 8
+def _packed(rows: int, width: int, tiles: int, scale: str) -> int:
+    """Packed state rows decoded in registers (`load_packed`): with fp32 scales, `tiles` fp32
+    `[rows, width]` layout conversions of the decoded values and the rows' int64 byte offsets; with
+    one-byte scales nothing more than plain rows (see the module docstring)."""
+    return tiles * rows * width * 4 + rows * 8 if scale == "fp32" else 0
 
 
 def _sink_attention(launch: Launch) -> int:
@@ -183,7 +189,7 @@ def _sink_attention(launch: Launch) -> int:
     h, k, dd, e = a["BLOCK_H"], a["BLOCK_K"], a["BLOCK_D"], _bytes(a["IN_DTYPE"])
     # q once; the merged key tile twice (kᵀ for the scores, k for the values: two layouts); probabilities
     plain = (h * dd + 2 * k * dd + h * k) * e
-    return plain + (_packed(k, dd, 2) if a["SRC2_BITS"] else 0)
+    return plain + (_packed(k, dd, 2, a["SRC2_SCALE"]) if a["SRC2_BITS"] else 0)
 
 
 def _indexer(launch: Launch) -> int:
@@ -194,7 +200,7 @@ def _indexer(launch: Launch) -> int:
     # every head's query; one tile of gathered keys (its load depends on the rows loaded just before:
     # not pipelined); the top-k's sort of 2·BLOCK_K int64 keys reuses that space once the tile is dead
     plain = (a["BLOCK_H"] + rows) * a["BLOCK_D"] * e
-    return plain + (_packed(rows, a["BLOCK_D"], 1) if a["KEY_BITS"] else 0)
+    return plain + (_packed(rows, a["BLOCK_D"], 1, a["KEY_SCALE"]) if a["KEY_BITS"] else 0)
 
 
 def _weight_gemm(launch: Launch, weight_tiles: int) -> int:
@@ -248,9 +254,13 @@ _WEIGHTS = {0: "", 1: "FP8 weights", 2: "FP4 weights"}  # moe.WEIGHTS_PLAIN / FP
 
 
 def variant(launch: Launch) -> str:
-    """What the launch reads when not plain tensors: "packed rows", "FP8 weights", "FP4 weights" (else "")."""
+    """What the launch reads when not plain tensors: "packed rows" (with fp32 scales), "packed rows e4m3
+    scales" (or ue8m0), "FP8 weights", "FP4 weights" (else "")."""
     a = launch.args
-    return "packed rows" if a.get("SRC2_BITS") or a.get("KEY_BITS") else _WEIGHTS[a.get("FORMAT", 0)]
+    if a.get("SRC2_BITS") or a.get("KEY_BITS"):
+        scale = a.get("SRC2_SCALE", a.get("KEY_SCALE"))
+        return "packed rows" if scale == "fp32" else f"packed rows {scale} scales"
+    return _WEIGHTS[a.get("FORMAT", 0)]
 
 
 def describe(launch: Launch) -> str:

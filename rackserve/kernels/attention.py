@@ -67,14 +67,15 @@ def _sink_attention_kernel(
         s0_row, s0_col, s1_row, s1_col, s2_row, s2_col, s2_scale_col, s2_block,
         H, D, K, SPAN, qk_scale,
         q_st, q_sh, q_sd, o_st, o_sh, o_sd, r_st, r_sk, v_st, v_sk,
-        NUM_SOURCES: tl.constexpr, SRC2_BITS: tl.constexpr, IN_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        ROUND_BF16: tl.constexpr,
+        NUM_SOURCES: tl.constexpr, SRC2_BITS: tl.constexpr, SRC2_SCALE: tl.constexpr, IN_DTYPE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """Keys [split · SPAN, (split+1) · SPAN) of query t for a block of heads. Without SPLIT the
     program sees every key and writes the normalised output; with SPLIT it writes its partial
     softmax state (running max m and sum l, log2 domain, and the unnormalised acc) to
     `part_m/part_l/part_acc` for `_combine_kernel`, which folds in the sink. Source 2 may be
-    packed rows (SRC2_BITS 8 or 4: `rackserve.kernels.packed_rows`), decoded here in registers."""
+    packed rows (SRC2_BITS 8 or 4, scales SRC2_SCALE: `rackserve.kernels.packed_rows`), decoded here in
+    registers."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -121,7 +122,7 @@ def _sink_attention_kernel(
             else:
                 # rounded to the model dtype as the reference's decoded rows are (fp32 -> IN_DTYPE)
                 part = load_packed(src2_ptr, src2_words_ptr, local, inside, offs_d, mask_d, s2_row, s2_scale_col,
-                                   s2_block, SRC2_BITS)
+                                   s2_block, SRC2_BITS, SRC2_SCALE)
                 if ROUND_BF16:
                     part = round_to_bf16(part)
                 part = part.to(IN_DTYPE)
@@ -215,9 +216,8 @@ def sink_attention_triton(q: torch.Tensor, sources: Sequence[torch.Tensor | Pack
         raise ValueError(f"sink_attention_triton takes 1 to 3 key sources, got {len(sources)}")
     if any(isinstance(s, PackedRows) for s in sources[:2]):
         raise ValueError("only the third key source (the compressed entries) may be packed rows")
-    # the third source's bytes, fp32 words (scales), scale column, block and bits (0: not packed)
-    s2_data, s2_words, s2_scale_col, s2_block, s2_bits = kernel_args(sources[2]) if len(sources) == 3 else \
-        (q, q, 0, 1, 0)
+    # the third source's bytes, fp32 words (scales), scale column, block, bits (0: not packed), scale format
+    s2_data, s2_words, s2_scale_col, s2_block, s2_bits, s2_scale = kernel_args(sources[2] if len(sources) == 3 else q)
     # an empty source is never read: any pointer will do
     srcs = [(s, s.shape[0], s.stride(0), s.stride(1)) if s.shape[0] else (q, 0, 0, 0)
             for s in [*sources[:2], s2_data][:len(sources)]]
@@ -247,7 +247,8 @@ def sink_attention_triton(q: torch.Tensor, sources: Sequence[torch.Tensor | Pack
         s0, s1, s2, s2_words, n0, n1, n2, s0r, s0c, s1r, s1c, s2r, s2c, s2_scale_col, s2_block,
         h, d, k, span, float(scale) * _LOG2E.value,
         *q.stride(), *out.stride(), *rows.stride(), *valid.stride(),
-        NUM_SOURCES=max(2, len(sources)), SRC2_BITS=s2_bits, DOT_DTYPE=dot_dtype(q), SPLIT=split, BLOCK_K=block_k,
+        NUM_SOURCES=max(2, len(sources)), SRC2_BITS=s2_bits, SRC2_SCALE=s2_scale, DOT_DTYPE=dot_dtype(q), SPLIT=split,
+        BLOCK_K=block_k,
         num_warps=4 if block_h * block_d <= 2048 else 8, **common)
     if split:
         _combine_kernel[(t, head_blocks)](part_m, part_l, part_acc, sinks, out, h, d, splits, *out.stride(),

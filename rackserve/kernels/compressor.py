@@ -3,8 +3,9 @@
 Each entry pools K source rows `[kv | gate]`. Without overlap (HCA) the K = rate rows are one
 window and C = d. With overlap (CSA) each row carries two series (C = 2d): the entry pools the
 first series (Ca, channels :d) of the previous window's rate rows and the second series (Cb,
-channels d:) of its own window's rate rows, K = 2·rate. The gate gets a learned per-slot bias;
-invalid slots (the window before entry 0) get zero weight.
+channels d:) of its own window's rate rows, K = 2·rate. The gate gets a learned per-slot bias
+(DeepSeek-V4.1's compressors have none: `position_bias` None); invalid slots (the window before
+entry 0) get zero weight.
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ import triton.language as tl
 from rackserve.kernels.triton_utils import round_to_bf16, tl_dtype
 
 
-def compress_pool_torch(src: torch.Tensor, valid: torch.Tensor, position_bias: torch.Tensor,
+def compress_pool_torch(src: torch.Tensor, valid: torch.Tensor, position_bias: torch.Tensor | None,
                         overlap: bool) -> torch.Tensor:
-    """src `[N, K, 2C]` (`[kv | gate]` per slot), valid `[N, K]`, position_bias `[rate, C]` fp32
+    """src `[N, K, 2C]` (`[kv | gate]` per slot), valid `[N, K]`, position_bias `[rate, C]` fp32 or None
     -> pooled `[N, d]` in src's dtype (d = C/2 with overlap, else C). Softmax in fp32."""
-    kv, gate = src.chunk(2, dim=-1)
+    kv, gate, bias = *src.chunk(2, dim=-1), position_bias
     if overlap:
-        d, m = kv.shape[-1] // 2, position_bias.shape[0]
+        d, m = kv.shape[-1] // 2, src.shape[1] // 2
         kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
-        gate = torch.cat([gate[:, :m, :d] + position_bias[:, :d], gate[:, m:, d:] + position_bias[:, d:]], dim=1)
-    else:
-        gate = gate + position_bias
+        gate = torch.cat([gate[:, :m, :d], gate[:, m:, d:]], dim=1)
+        bias = None if bias is None else torch.cat([bias[:, :d], bias[:, d:]])
+    if bias is not None:
+        gate = gate + bias
     gate = gate.masked_fill(~valid.unsqueeze(-1), float("-inf"))
     weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
     return (kv * weights).sum(dim=1)
@@ -69,7 +71,7 @@ def _compress_pool_kernel(
     tl.store(out_ptr + n * o_n + offs_c * o_c, pooled.to(OUT_DTYPE), mask=mask_c)
 
 
-def compress_pool_triton(src: torch.Tensor, valid: torch.Tensor, position_bias: torch.Tensor,
+def compress_pool_triton(src: torch.Tensor, valid: torch.Tensor, position_bias: torch.Tensor | None,
                          overlap: bool) -> torch.Tensor:
     """Triton version of `compress_pool_torch` (same shapes and semantics).
 
@@ -85,6 +87,8 @@ def compress_pool_triton(src: torch.Tensor, valid: torch.Tensor, position_bias: 
     out = torch.empty(n, d, dtype=src.dtype, device=src.device)
     if n == 0 or d == 0:
         return out
+    if position_bias is None:  # a zero bias: the kernel's loads stay unconditional
+        position_bias = torch.zeros(k // 2 if overlap else k, c, dtype=torch.float32, device=src.device)
     block_k = triton.next_power_of_2(k)
     block_c = max(16, min(64 if block_k <= 64 else 32, triton.next_power_of_2(d)))
     valid = valid.view(torch.uint8)

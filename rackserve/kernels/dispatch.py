@@ -26,6 +26,7 @@ BACKENDS = ("auto", "torch", "triton")
 # kernel, `<op>_triton` with the same signature.
 OPS = {
     "mhc_pre": "mhc",
+    "mhc_mix": "mhc",
     "mhc_post": "mhc",
     "mhc_head": "mhc",
     "route": "routing",
@@ -33,6 +34,7 @@ OPS = {
     "sink_attention": "attention",
     "compress_pool": "compressor",
     "indexer_topk": "indexer",
+    "indexer_scores": "indexer",
     "quantize_fp8": "quant",
     "dequantize_fp8": "quant",
     "quantize_fp4": "quant",
@@ -115,6 +117,7 @@ def _op(name: str) -> Callable:
 
 
 mhc_pre = _op("mhc_pre")
+mhc_mix = _op("mhc_mix")
 mhc_post = _op("mhc_post")
 mhc_head = _op("mhc_head")
 route = _op("route")
@@ -122,6 +125,7 @@ moe_ffn = _op("moe_ffn")
 sink_attention = _op("sink_attention")
 compress_pool = _op("compress_pool")
 indexer_topk = _op("indexer_topk")
+indexer_scores = _op("indexer_scores")
 quantize_fp8 = _op("quantize_fp8")
 dequantize_fp8 = _op("dequantize_fp8")
 quantize_fp4 = _op("quantize_fp4")

@@ -38,12 +38,12 @@ def indexer_scores_torch(q: torch.Tensor, keys: torch.Tensor | PackedRows, rows:
 
 @triton.jit
 def _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, words_ptr, E, R, r_st, r_se, v_st, v_se, k_r, k_c,
-                 scale_col, block, offs_d, mask_d, KEY_BITS: tl.constexpr, KEY_DTYPE: tl.constexpr,
-                 KEY_BF16: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_E: tl.constexpr):
+                 scale_col, block, offs_d, mask_d, KEY_BITS: tl.constexpr, KEY_SCALE: tl.constexpr,
+                 KEY_DTYPE: tl.constexpr, KEY_BF16: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_E: tl.constexpr):
     """Scores of candidates e0 .. e0+BLOCK_E of query t (q `[BLOCK_H, BLOCK_D]`, w `[BLOCK_H]` already
     scaled): (offsets `[BLOCK_E]`, in range, scores with -inf where not visible). With KEY_BITS 8 or
-    4 the keys are packed rows (`rackserve.kernels.packed_rows`), decoded here and rounded to
-    KEY_DTYPE as the reference decodes them."""
+    4 the keys are packed rows (scales KEY_SCALE: `rackserve.kernels.packed_rows`), decoded here and
+    rounded to KEY_DTYPE as the reference decodes them."""
     offs_e = e0 + tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
     row = tl.load(rows_ptr + t * r_st + offs_e * r_se, mask=mask_e, other=-1)
@@ -53,7 +53,8 @@ def _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, words_ptr, E, R, 
         key = tl.load(keys_ptr + row[:, None] * k_r + offs_d[None, :] * k_c,
                       mask=inside[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
     else:
-        key = load_packed(keys_ptr, words_ptr, row, inside, offs_d, mask_d, k_r, scale_col, block, KEY_BITS)
+        key = load_packed(keys_ptr, words_ptr, row, inside, offs_d, mask_d, k_r, scale_col, block, KEY_BITS,
+                          KEY_SCALE)
         if KEY_BF16:  # rounded first: the interpreter's cast truncates
             key = round_to_bf16(key)
         key = key.to(KEY_DTYPE).to(DOT_DTYPE)
@@ -78,8 +79,8 @@ def _load_query(q_ptr, w_ptr, t, H, D, sm_scale, q_st, q_sh, q_sd, w_st, w_sh,
 def _indexer_scores_kernel(
         q_ptr, keys_ptr, words_ptr, rows_ptr, visible_ptr, w_ptr, out_ptr, H, D, E, R, SPAN, sm_scale,
         q_st, q_sh, q_sd, k_r, k_c, scale_col, block, r_st, r_se, v_st, v_se, w_st, w_sh, o_st, o_se,
-        KEY_BITS: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_BF16: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
+        KEY_BITS: tl.constexpr, KEY_SCALE: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_BF16: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * SPAN
     offs_d = tl.arange(0, BLOCK_D)
@@ -88,7 +89,7 @@ def _indexer_scores_kernel(
     for e0 in range(start, tl.minimum(start + SPAN, E), BLOCK_E):
         offs_e, mask_e, score = _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, words_ptr, E, R, r_st, r_se,
                                              v_st, v_se, k_r, k_c, scale_col, block, offs_d, offs_d < D, KEY_BITS,
-                                             KEY_DTYPE, KEY_BF16, DOT_DTYPE, BLOCK_E)
+                                             KEY_SCALE, KEY_DTYPE, KEY_BF16, DOT_DTYPE, BLOCK_E)
         tl.store(out_ptr + t * o_st + offs_e * o_se, score, mask=mask_e)
 
 
@@ -120,8 +121,8 @@ def _store_top(best, order_ptr, valid_ptr, t, K, BLOCK_K: tl.constexpr):
 def _indexer_topk_kernel(
         q_ptr, keys_ptr, words_ptr, rows_ptr, visible_ptr, w_ptr, order_ptr, valid_ptr, H, D, E, R, K, sm_scale,
         q_st, q_sh, q_sd, k_r, k_c, scale_col, block, r_st, r_se, v_st, v_se, w_st, w_sh,
-        KEY_BITS: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_BF16: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+        KEY_BITS: tl.constexpr, KEY_SCALE: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_BF16: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program per query: scores BLOCK_K candidates at a time and keeps a running top-BLOCK_K."""
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -130,7 +131,7 @@ def _indexer_topk_kernel(
     for e0 in range(0, E, BLOCK_K):
         offs_e, mask_e, score = _score_block(q, w, t, e0, rows_ptr, visible_ptr, keys_ptr, words_ptr, E, R, r_st, r_se,
                                              v_st, v_se, k_r, k_c, scale_col, block, offs_d, offs_d < D, KEY_BITS,
-                                             KEY_DTYPE, KEY_BF16, DOT_DTYPE, BLOCK_K)
+                                             KEY_SCALE, KEY_DTYPE, KEY_BF16, DOT_DTYPE, BLOCK_K)
         best = _merge_top(best, score, offs_e, mask_e, BLOCK_K)
     _store_top(best, order_ptr, valid_ptr, t, K, BLOCK_K)
 
@@ -150,12 +151,13 @@ def _top_of_scores_kernel(scores_ptr, order_ptr, valid_ptr, E, K, s_st, s_se, BL
 
 def _key_args(q: torch.Tensor, keys: torch.Tensor | PackedRows) -> tuple[tuple, dict]:
     """The keys' kernel arguments (bytes or tensor, fp32 words, strides, scale column, block) and
-    constexprs (bits, the dtype keys are read in, the dot's operand dtype)."""
-    data, words, scale_col, block, bits = kernel_args(keys)
+    constexprs (bits, scale format, the dtype keys are read in, the dot's operand dtype)."""
+    data, words, scale_col, block, bits, scale = kernel_args(keys)
     # the dot takes one operand dtype: mixed inputs meet in fp32, which loses nothing
     dot = dot_dtype(q) if q.dtype == keys.dtype else tl.float32
     return ((data, words if data.shape[0] else data, *data.stride(), scale_col, block),
-            dict(KEY_BITS=bits, KEY_DTYPE=tl_dtype(keys.dtype), KEY_BF16=keys.dtype == torch.bfloat16, DOT_DTYPE=dot))
+            dict(KEY_BITS=bits, KEY_SCALE=scale, KEY_DTYPE=tl_dtype(keys.dtype), KEY_BF16=keys.dtype == torch.bfloat16,
+                 DOT_DTYPE=dot))
 
 
 def indexer_scores_triton(q: torch.Tensor, keys: torch.Tensor | PackedRows, rows: torch.Tensor, visible: torch.Tensor,

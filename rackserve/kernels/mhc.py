@@ -20,14 +20,14 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def mhc_pre_torch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+def mhc_mix_torch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                   sinkhorn_iters: int, hc_eps: float, norm_eps: float
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weights of one mHC and the block input.
+    """The three weights of one mHC.
 
-    streams `[T, N, D]`; fn `[(2+N)·N, N·D]`; base `[(2+N)·N]`; scale `[3]` ->
-    post `[T, N]`, comb `[T, N, N]` (doubly stochastic after `sinkhorn_iters` Sinkhorn-Knopp
-    iterations), collapsed `[T, D]` = Σ_n pre_n · streams_n.
+    streams `[T, N, D]`; fn `[(2+N)·N, N·D]`; base `[(2+N)·N]`; scale `[3]` -> pre `[T, N]` (collapse
+    weights), post `[T, N]` (expand weights), comb `[T, N, N]` (doubly stochastic after
+    `sinkhorn_iters` Sinkhorn-Knopp iterations), all fp32.
     """
     n = streams.shape[1]
     flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)
@@ -43,8 +43,21 @@ def mhc_pre_torch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
     for _ in range(sinkhorn_iters - 1):
         comb.div_(comb.sum(dim=-1, keepdim=True).add_(hc_eps))
         comb.div_(comb.sum(dim=-2, keepdim=True).add_(hc_eps))
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return post, comb, collapsed
+    return pre, post, comb
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Σ_n pre_n · streams_n: streams `[T, N, D]`, pre `[T, N]` (fp32) -> `[T, D]` in the streams' dtype."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def mhc_pre_torch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                  sinkhorn_iters: int, hc_eps: float, norm_eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights of one mHC and the block input collapsed with its own pre weights (`mhc_mix_torch`):
+    post `[T, N]`, comb `[T, N, N]`, collapsed `[T, D]` = Σ_n pre_n · streams_n."""
+    pre, post, comb = mhc_mix_torch(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return post, comb, collapse(streams, pre)
 
 
 def mhc_post_torch(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -58,20 +71,21 @@ def mhc_head_torch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, 
     """Final collapse of the streams `[T, N, D]` -> `[T, D]`; fn `[N, N·D]`, base `[N]`, scale `[1]`."""
     flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)
     pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return collapse(streams, pre)
 
 
 # ---------------------------------------------------------------------------------------------
 # Triton
 
 @triton.jit
-def _mhc_weights_kernel(streams_ptr, fn_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, collapsed_ptr,
+def _mhc_weights_kernel(streams_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, collapsed_ptr,
                         D, sinkhorn_iters, hc_eps, norm_eps,
-                        N: tl.constexpr, COMB: tl.constexpr, RNE_BF16: tl.constexpr,
+                        N: tl.constexpr, COMB: tl.constexpr, COLLAPSE: tl.constexpr, RNE_BF16: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """One token: RMS norm of the flat streams, the (2+N)·N-row GEMV, the gates, Sinkhorn, the collapse.
 
     COMB False is `mhc_head`: only the N `pre` rows of `fn` exist, and post/comb are not written.
+    COLLAPSE False is `mhc_mix`: `pre` is written instead of the collapse (a later block collapses with it).
     """
     t = tl.program_id(0).to(tl.int64)
     K = N * D
@@ -116,6 +130,9 @@ def _mhc_weights_kernel(streams_ptr, fn_ptr, base_ptr, scale_ptr, post_ptr, comb
             c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
             c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
         tl.store(comb_ptr + t * N * N + mn, c)
+    if not COLLAPSE:
+        tl.store(pre_ptr + t * N + n, pre)
+        return
 
     # The collapse reads the token's streams a second time; at N·D ≤ 64 Ki elements they are
     # still in L2.
@@ -157,8 +174,9 @@ def _pow2_at_most(x: int) -> int:
     return 1 << (max(x, 1).bit_length() - 1)
 
 
-def _weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, comb: bool):
-    """post `[T, N]`, comb `[T, N, N]` (left unwritten when not `comb`), collapsed `[T, D]`.
+def _weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, comb: bool, collapse: bool = True):
+    """pre `[T, N]` (written when not `collapse`), post `[T, N]`, comb `[T, N, N]` (left unwritten when
+    not `comb`), collapsed `[T, D]` (written when `collapse`).
 
     Every program reads all of fn ((2+N)·N·N·D fp32, 2.6 MiB at N=4, D=7168) from L2: right for
     decode batches; long prefills would want a block of tokens per program sharing each fn tile.
@@ -166,26 +184,34 @@ def _weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, comb: b
     t, n, d = streams.shape
     _check_hc_mult(n)
     streams = streams.contiguous()
+    pre = torch.empty(t, n, dtype=torch.float32, device=streams.device)
     post = torch.empty(t, n, dtype=torch.float32, device=streams.device)
     combs = torch.empty(t, n, n, dtype=torch.float32, device=streams.device)
-    collapsed = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
+    collapsed = torch.empty(t if collapse else 0, d, dtype=streams.dtype, device=streams.device)
     if t and d:
         # ~4 Ki fp32 of fn per step across all rows; (2+N)·N accumulators of BLOCK_K each.
         rows = (2 + n) * n if comb else n
         block_k = min(1024, max(16, _pow2_at_most(4096 // rows)), triton.next_power_of_2(n * d))
         block_d = min(triton.next_power_of_2(d), 4096 // n)
         _mhc_weights_kernel[(t,)](
-            streams, fn.contiguous(), base.contiguous(), scale.contiguous(), post, combs, collapsed,
-            d, sinkhorn_iters, hc_eps, norm_eps, N=n, COMB=comb, RNE_BF16=emulate_rne_bf16(collapsed),
-            BLOCK_K=block_k, BLOCK_D=block_d)
-    return post, combs, collapsed
+            streams, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, combs, collapsed,
+            d, sinkhorn_iters, hc_eps, norm_eps, N=n, COMB=comb, COLLAPSE=collapse,
+            RNE_BF16=emulate_rne_bf16(collapsed), BLOCK_K=block_k, BLOCK_D=block_d)
+    return pre, post, combs, collapsed
+
+
+def mhc_mix_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                   sinkhorn_iters: int, hc_eps: float, norm_eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`mhc_mix_torch` as one Triton program per token; same shapes and dtypes."""
+    return _weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, comb=True, collapse=False)[:3]
 
 
 def mhc_pre_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                    sinkhorn_iters: int, hc_eps: float, norm_eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`mhc_pre_torch` as one Triton program per token; same shapes and dtypes."""
-    return _weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, comb=True)
+    return _weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, comb=True)[1:]
 
 
 def mhc_post_triton(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -204,4 +230,4 @@ def mhc_post_triton(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor
 def mhc_head_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                     hc_eps: float, norm_eps: float) -> torch.Tensor:
     """`mhc_head_torch` with the `mhc_pre` kernel, pre rows only."""
-    return _weights(streams, fn, base, scale, 0, hc_eps, norm_eps, comb=False)[2]
+    return _weights(streams, fn, base, scale, 0, hc_eps, norm_eps, comb=False)[3]

@@ -18,7 +18,8 @@ from typing import Any
 from rackserve.config import ConfigError
 from rackserve.models.interface import ModelFamily, ModelSpec, ServingModel
 
-_PACKAGES = {"deepseek_v4": "rackserve.models.deepseek_v4", "qwen3_moe": "rackserve.models.qwen3_moe"}
+_PACKAGES = {"deepseek_v4": "rackserve.models.deepseek_v4", "deepseek_v41": "rackserve.models.deepseek_v41",
+             "qwen3_moe": "rackserve.models.qwen3_moe"}
 DEFAULT_MODEL_TYPE = "deepseek_v4"  # a config.json without `model_type` (the project's older checkpoints)
 _FAMILIES: dict[str, ModelFamily] = {}
 
@@ -66,8 +67,10 @@ def _json(file: Path) -> dict[str, Any]:
 
 
 def family_of(raw: dict[str, Any]) -> ModelFamily:
-    """The family a config.json dict belongs to."""
-    return family(raw.get("model_type", DEFAULT_MODEL_TYPE))
+    """The family a config.json dict belongs to. DeepSeek's own inference/config.json names no
+    `model_type`: V4.1's is known by its layer sharing (`kv_source_layers`)."""
+    model_type = raw.get("model_type") or ("deepseek_v41" if "kv_source_layers" in raw else DEFAULT_MODEL_TYPE)
+    return family(model_type)
 
 
 def read_config(path: str | Path) -> ModelSpec:

@@ -7,6 +7,8 @@ How a family's names map to its model, and which tensors it reads, is the family
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +64,24 @@ def tensor_index(files: list[Path]) -> dict[str, StoredTensor]:
                 dtype = FILE_DTYPES.get(info.get_dtype(), torch.float32)
                 entries[name] = StoredTensor(name, file, tuple(info.get_shape()), dtype)
     return entries
+
+
+def mapped_tensor(file: Path, name: str) -> torch.Tensor:
+    """Tensor `name` of safetensors `file`, memory-mapped instead of read into memory: copy-on-write,
+    read lazily and without read-ahead (for tables whose rows are fetched at random), its pages the page
+    cache's, so every process of a node that maps the same file shares them."""
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            info = json.loads(f.read(length))[name]
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, KeyError, ValueError, struct.error) as e:
+        raise CheckpointError(f"cannot map tensor {name} of {file}: {e}; the file is truncated or not safetensors") \
+            from None
+    mapping.madvise(mmap.MADV_RANDOM)
+    start, end = info["data_offsets"]
+    data = torch.frombuffer(mapping, dtype=torch.uint8, offset=8 + length + start, count=end - start)
+    return data.view(FILE_DTYPES[info["dtype"]]).view(info["shape"])
 
 
 def open_safetensors(file: Path):

@@ -154,9 +154,11 @@ class Drafter(Protocol):
 @dataclass(frozen=True)
 class ModelFamily:
     """A model family as the registry knows it: its `model_type`, how to read its config.json
-    (a dict -> `ModelSpec`) and how to load a checkpoint (`load(path, dtype=…, device=…, weights=…,
-    shard=…) -> ServingModel`)."""
+    (a dict -> `ModelSpec`), how to load a checkpoint (`load(path, dtype=…, device=…, weights=…,
+    shard=…) -> ServingModel`) and its model class (`model_class(config)`, what memory estimates build
+    on the meta device)."""
 
     model_type: str
     config_from_dict: Callable[[dict], ModelSpec]
     load: Callable[..., ServingModel]
+    model_class: type | None = None

@@ -317,9 +317,15 @@ def parse_completion(body: dict, served_models: list[str]) -> CompletionRequest:
     )
 
 
+_IMAGE_PARTS = ("image_url", "image", "input_image")
+
+
 def _text_part(where: str, part: object) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
+    if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+        raise _invalid(f"{where} is an image ({part['type']}); rackserve serves text only (a checkpoint's vision "
+                       "tower is not loaded): send the text alone", "messages")
     what = f"has type {_show(part.get('type'))}" if isinstance(part, dict) else f"is a JSON {_json_type(part)}"
     raise _invalid(f"{where} {what}; only text parts {{\"type\": \"text\", \"text\": \"...\"}} "
                    "are supported", "messages")

@@ -9,7 +9,7 @@ from rackserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from rackserve.models.deepseek_v4.state import ModelState, RequestState, StateBlob
 from rackserve.models.interface import ModelFamily
 
-register(ModelFamily("deepseek_v4", ModelConfig.from_dict, load_model))
+register(ModelFamily("deepseek_v4", ModelConfig.from_dict, load_model, DeepseekV4ForCausalLM))
 
 __all__ = ["CheckpointError", "DeepseekV4ForCausalLM", "ForwardBatch", "ModelConfig", "ModelState", "RequestState",
            "StateBlob", "load_model"]

@@ -31,32 +31,47 @@ class Compressor(nn.Module):
 
     With `overlap` (CSA) each token projects to two series (Ca | Cb); entry w pools window w-1's
     Ca and window w's Cb over `2·rate` slots, stride `rate`. Without it (HCA) entry w pools window
-    w. Entries get RoPE at the position of their window's first token.
+    w. The softmax gate has a learned per-slot bias unless `biased` is False, and a `rate` of 1 pools
+    nothing (no gate: an entry per token, as DeepSeek-V4.1's ratio-1 compressors). The projections
+    run in their weights' dtype (DeepSeek-V4.1 keeps its pooling compressors in fp32). Entries get RoPE
+    at the position of their window's first token.
     """
 
-    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float):
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float, biased: bool = True):
         super().__init__()
         width = 2 * dim if overlap else dim
         self.dim, self.rate, self.overlap = dim, rate, overlap
         self.kv_proj = _linear(hidden, width)
-        self.gate_proj = _linear(hidden, width)
-        self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.gate_proj = _linear(hidden, width) if rate > 1 else None
+        self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32)) if biased else None
         self.kv_norm = RMSNorm(dim, eps)
 
-    def update(self, x: torch.Tensor, plan: CompressPlan, ring: torch.Tensor, entries: torch.Tensor | PackedRows,
-               rotary: Rotary) -> None:
+    def update(self, x: torch.Tensor, plan: CompressPlan, ring: torch.Tensor | None,
+               entries: torch.Tensor | PackedRows, rotary: Rotary) -> torch.Tensor | None:
         """Emit the entries completed by this step into `entries` and roll `ring` forward.
 
-        x `[T, hidden]`; ring `[S, L, 2·width]` holds earlier tokens' `[kv | gate]`; entries: the
-        state's rows `[P · per_page, dim]` (packed ones quantise what is written).
+        x `[T, hidden]`; ring `[S, L, 2·width]` holds earlier tokens' `[kv | gate]` (None at rate 1);
+        entries: the state's rows `[P · per_page, dim]` (packed ones quantise what is written).
+        Returns the new entries before RoPE `[E_new, dim]` (what DeepSeek-V4.1's index keys derive
+        from), None when none completed.
         """
-        rows = torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)  # [T, 2·width]
-        if plan.entry_dst.numel():
-            src = plan.new_entries.gather(ring, rows)  # [E_new, K, 2·width]
-            pooled = self.kv_norm(dispatch.compress_pool(src, plan.new_entries.valid, self.position_bias, self.overlap))
-            cos, sin = rotary.cos_sin(plan.entry_pos, pooled.dtype)
-            entries.index_copy_(0, plan.entry_dst, apply_rope(pooled, cos, sin).to(entries.dtype))
-        plan.ring_write.apply(ring, rows)
+        dtype, x = x.dtype, x.to(self.kv_proj.weight.dtype)
+        if self.gate_proj is None:
+            rows = self.kv_proj(x)  # [T, width]
+            pooled = rows.index_select(0, plan.entry_src)
+        else:
+            rows = torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)  # [T, 2·width]
+            src = plan.new_entries.gather(ring, rows) if plan.entry_dst.numel() else None  # [E_new, K, 2·width]
+            plan.ring_write.apply(ring, rows)
+            if src is None:
+                return None
+            pooled = dispatch.compress_pool(src, plan.new_entries.valid, self.position_bias, self.overlap)
+        if not plan.entry_dst.numel():
+            return None
+        latent = self.kv_norm(pooled.to(dtype))
+        cos, sin = rotary.cos_sin(plan.entry_pos, latent.dtype)
+        entries.index_copy_(0, plan.entry_dst, apply_rope(latent, cos, sin).to(entries.dtype))
+        return latent
 
 
 class IndexerScorer(nn.Module):
@@ -102,11 +117,17 @@ class HCACompressor(Compressor):
         super().__init__(config.hidden_size, config.head_dim, config.hca_compress_rate, False, config.rms_norm_eps)
 
 
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+class SinkAttention(nn.Module):
+    """What both DeepSeek generations' attention layers share: low-rank queries, one shared K=V head
+    over the layer's sliding window plus the compressed entries a subclass picks, attention sinks,
+    partial RoPE (undone on the output, which carries the keys' rotation), and the grouped low-rank
+    output projection. `q_norm`: each query head is RMS-normalised without a weight (V4; V4.1 is not).
+    """
+
+    def __init__(self, config, layer: int, q_norm: bool):
         super().__init__()
         c = config
-        self.layer, self.kind = layer, c.layer_types[layer]
+        self.layer, self.q_norm = layer, q_norm
         self.heads, self.head_dim, self.groups = c.num_attention_heads, c.head_dim, c.o_groups
         self.eps = c.rms_norm_eps
         self.q_a_proj = _linear(c.hidden_size, c.q_lora_rank)
@@ -118,25 +139,63 @@ class Attention(nn.Module):
         self.o_a_proj = _linear(self.heads * self.head_dim // self.groups, self.groups * c.o_lora_rank)
         self.o_b_proj = _linear(self.groups * c.o_lora_rank, c.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
+        """x `[T, hidden]` -> (q `[T, H, hd]`, kv `[T, hd]` (K = V), q_residual `[T, q_lora_rank]`, cos, sin),
+        q and kv rotated at `positions`."""
+        t = x.shape[0]
+        cos, sin = rotary.cos_sin(positions, x.dtype)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_residual).view(t, self.heads, self.head_dim)
+        if self.q_norm:
+            q = unweighted_rms_norm(q, self.eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        return q, kv, q_residual, cos, sin
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, batch: ForwardBatch, state,
+               entries: torch.Tensor | PackedRows | None = None, entry_rows: torch.Tensor | None = None,
+               seen: torch.Tensor | None = None) -> torch.Tensor:
+        """Each query over its window (the layer's ring and this step's `kv`) and, when given, the
+        entries' rows `entry_rows` `[T, E]` where `seen` -> `[T, H, hd]`; then this step's window rows
+        are written."""
+        ring = state.swa[self.layer]
+        sources = [ring.flatten(0, 1), kv]  # keys are rows of [window rings ; new rows ; entries]
+        rows, valid = batch.swa.rows, batch.swa.valid
+        if entries is not None:
+            sources.append(entries)
+            rows = torch.cat([rows, entry_rows + ring.shape[0] * ring.shape[1] + kv.shape[0]], dim=1)
+            valid = torch.cat([valid, seen], dim=1)
+        out = dispatch.sink_attention(q, sources, rows, valid, self.sinks, self.head_dim**-0.5)
+        # the window is read above; only now may this step's rows overwrite it
+        batch.swa_write.apply(ring, kv)
+        return out
+
+    def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention output `[T, H, hd]` -> `[T, hidden]`: RoPE undone, then the grouped projection."""
+        out = apply_rope(out, cos, sin, inverse=True)  # undo the keys' rotation carried by V
+        grouped = out.reshape(out.shape[0], self.groups, -1)
+        return self.o_b_proj(grouped_linear(self.o_a_proj, grouped).flatten(1))
+
+
+class Attention(SinkAttention):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__(config, layer, q_norm=True)
+        c = config
+        self.kind = c.layer_types[layer]
         self.compressor: Compressor | None = None
         if c.compress_rate(layer):
             self.compressor = CSACompressor(c) if self.kind == CSA else HCACompressor(c)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state, rotary: Rotary) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`; reads and updates this layer's part of `state`."""
-        t, layer = x.shape[0], self.layer
-        cos, sin = rotary.cos_sin(batch.positions, x.dtype)
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(t, self.heads, self.head_dim), self.eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, hd], K = V
-
-        ring = state.swa[layer]
-        sources = [ring.flatten(0, 1), kv]  # keys are rows of [window rings ; new rows ; entries]
-        rows, valid = batch.swa.rows, batch.swa.valid
+        layer = self.layer
+        q, kv, q_residual, cos, sin = self.project(x, batch.positions, rotary)
+        entries = entry_rows = seen = None
         if self.compressor is not None:
             plan = batch.plans[self.kind]
-            self.compressor.update(x, plan, state.ring[layer], state.entry_rows(layer), rotary)
+            entries = state.entry_rows(layer)
+            self.compressor.update(x, plan, state.ring[layer], entries, rotary)
             entry_rows, seen = plan.visible_row, plan.visible
             if self.kind == CSA:
                 indexer = self.compressor.indexer
@@ -144,13 +203,4 @@ class Attention(nn.Module):
                 indexer.update(x, plan, state.index_ring[layer], keys, rotary)
                 chosen, seen = indexer.select(x, q_residual, batch.positions, plan, keys, rotary)
                 entry_rows = entry_rows.gather(1, chosen)
-            sources.append(state.entry_rows(layer))
-            rows = torch.cat([rows, entry_rows + ring.shape[0] * ring.shape[1] + t], dim=1)
-            valid = torch.cat([valid, seen], dim=1)
-        out = dispatch.sink_attention(q, sources, rows, valid, self.sinks, self.head_dim**-0.5)
-        # the window is read above; only now may this step's rows overwrite it
-        batch.swa_write.apply(ring, kv)
-
-        out = apply_rope(out, cos, sin, inverse=True)  # undo the keys' rotation carried by V
-        grouped = out.reshape(t, self.groups, -1)
-        return self.o_b_proj(grouped_linear(self.o_a_proj, grouped).flatten(1))
+        return self.output(self.attend(q, kv, batch, state, entries, entry_rows, seen), cos, sin)

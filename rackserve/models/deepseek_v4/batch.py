@@ -7,6 +7,9 @@ Positions of a request that are older than this step live in its slot's rings (r
 `slot · ring_len + position % ring_len` of the flattened ring); positions from this step are rows
 of the step's new tensors (row = `token offset of the request + position - start`). `RingGather`
 addresses a grid of positions as rows of the virtual concatenation [flattened ring, new rows].
+
+What the batch plans comes from the state (`state.schemes`, `state.lookback`), so a family whose layers
+compress otherwise (DeepSeek-V4.1) builds its batch here too.
 """
 
 from __future__ import annotations
@@ -16,10 +19,25 @@ from dataclasses import dataclass
 
 import torch
 
-from rackserve.models.deepseek_v4.config import CSA, SLIDING, ModelConfig
 from rackserve.kernels.attention import gather_rows
-from rackserve.models.deepseek_v4.state import ModelState, RequestState, ring_len
 from rackserve.models.interface import StaticShape
+from rackserve.models.state import PagedState, RequestState
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How a kind of layer compresses: an entry per `rate` tokens, pooling `rate` consecutive tokens
+    (or, with `overlap`, CSA's two series over the `2·rate` tokens of its window and the one before),
+    whose raw projections wait in a compressor ring of `ring` rows (≥ the tokens an entry pools)."""
+
+    rate: int
+    overlap: bool
+    ring: int
+
+    @property
+    def span(self) -> int:
+        """Token positions one entry pools."""
+        return 2 * self.rate if self.overlap else self.rate
 
 
 @dataclass
@@ -48,10 +66,10 @@ class RingWrite:
 
 @dataclass
 class CompressPlan:
-    """Per layer kind (CSA or HCA): the entries completed this step and what each token may see.
+    """Per compression scheme (V4: CSA or HCA): the entries completed this step and what each token may see.
 
     new_entries: for each of the `E_new` entries completed in this step, the `K` source positions
-      it pools (`K = 2·rate` for CSA: window w-1's Ca part then window w's Cb part; `rate` for HCA).
+      it pools (`K = 2·rate` with overlap, CSA: window w-1's Ca part then window w's Cb part; else `rate`).
     entry_dst `[E_new]`: its row in entries.view(P * rate_per_page, ·); entry_pos `[E_new]`: the
       position of its first token (its RoPE position); entry_src `[E_new]`: the token row that
       completes it (the last position of its window).
@@ -76,11 +94,14 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [L] long, tokens whose logits are returned
     swa: RingGather  # [T, W]: positions p-W+1 .. p of each token
     swa_write: RingWrite
-    plans: dict[str, CompressPlan]  # by layer kind
+    plans: dict[str | int, CompressPlan]  # by key of `state.schemes`
     real: torch.Tensor | None = None  # [T] bool: False for the padding rows of a static batch
+    # with `state.lookback` = L > 0: positions p-L+1 .. p of each token, in a ring of L rows per slot
+    lookback: RingGather | None = None
+    lookback_write: RingWrite | None = None
 
     @classmethod
-    def build(cls, state: ModelState, requests: Sequence[tuple[RequestState, Sequence[int]]],
+    def build(cls, state: PagedState, requests: Sequence[tuple[RequestState, Sequence[int]]],
               all_logits: bool = False, num_logits: Sequence[int] | None = None,
               kinds: Collection[str] | None = None, static: StaticShape | None = None,
               scratch: RequestState | None = None) -> "ForwardBatch":
@@ -88,8 +109,8 @@ class ForwardBatch:
 
         The handles must already `reserve` room for their new tokens. Logits come back for the last
         new token of each request, for every token when `all_logits`, or for the last `num_logits[r]`
-        tokens of request r. `kinds`: the layer kinds the forward runs (default: every kind of the
-        state); compression plans are made for those only.
+        tokens of request r. `kinds`: the keys of `state.schemes` (layer kinds) the forward runs
+        (default: all of them); compression plans are made for those only.
 
         With `static`, the shapes depend on `static` alone (a compiled or captured forward replays
         them): one-token requests on `scratch` (at 0 tokens, holding a page) pad the tokens, each
@@ -97,9 +118,8 @@ class ForwardBatch:
         every token sees `static.pages` pages of entries (masked past its own), and the logits rows
         are padded to `static.tokens`.
         """
-        config: ModelConfig = state.config
-        kinds = set(state.layer_types if kinds is None else kinds) - {SLIDING}
-        device = state.swa[0].device
+        kinds = set(state.schemes) if kinds is None else set(kinds) & set(state.schemes)
+        device = state.device
         if static is not None:
             pad = static.tokens - sum(len(ids) for _, ids in requests)
             if pad < 0 or max((len(h.pages) for h, _ in requests), default=0) > static.pages or scratch is None:
@@ -130,12 +150,15 @@ class ForwardBatch:
         geo = _Geometry(req, starts, ends, offsets, slots, positions, state.num_slots)
         trash = None if static is None else (scratch.slot, scratch.pages[0] if scratch.pages else 0)
 
-        w = config.sliding_window
+        w = state.window
         swa = geo.ring_gather(positions[:, None] - (w - 1) + torch.arange(w), req, w)
-        plans = {}
-        for kind in sorted(kinds):
-            rate = config.rate(kind)
-            plans[kind] = geo.compress_plan(kind, rate, state.block_size // rate, page_table, trash)
+        plans = {key: geo.compress_plan(state.schemes[key], page_table, state.block_size, trash)
+                 for key in sorted(kinds, key=str)}
+        lookback = lookback_write = None
+        if state.lookback:
+            n = state.lookback
+            lookback = geo.ring_gather(positions[:, None] - (n - 1) + torch.arange(n), req, n)
+            lookback_write = geo.ring_write(n, trash)
 
         if all_logits:
             logits_rows = torch.arange(len(input_ids))
@@ -150,7 +173,8 @@ class ForwardBatch:
         if static is not None:
             logits_rows = _pad(logits_rows, static.tokens, 0)
             real = torch.arange(static.tokens) < static.tokens - pad
-        batch = cls(input_ids, positions, logits_rows, swa, geo.ring_write(w, trash), plans, real)
+        batch = cls(input_ids, positions, logits_rows, swa, geo.ring_write(w, trash), plans, real, lookback,
+                    lookback_write)
         return batch.to(device)
 
     def to(self, device: torch.device | str) -> "ForwardBatch":
@@ -196,16 +220,16 @@ class _Geometry:
             src, dst = _pad(src, len(self.positions), 0), _pad(dst, len(self.positions), trash[0] * length)
         return RingWrite(src, dst)
 
-    def compress_plan(self, kind: str, rate: int, per_page: int, page_table: torch.Tensor,
+    def compress_plan(self, scheme: Scheme, page_table: torch.Tensor, block_size: int,
                       trash: tuple[int, int] | None = None) -> CompressPlan:
+        rate, per_page = scheme.rate, block_size // scheme.rate
         first = self.starts // rate  # first entry completed in this step
         count = self.ends // rate - first
         owner = torch.repeat_interleave(torch.arange(len(count)), count)
         w = first[owner] + torch.arange(len(owner)) - (torch.cumsum(count, 0) - count)[owner]
-        width = ring_len(kind, rate)
-        # CSA entry w pools positions (w-1)·rate .. (w+1)·rate - 1; HCA entry w pools its own window.
-        lo = w * rate - (rate if kind == CSA else 0)
-        new_entries = self.ring_gather(lo[:, None] + torch.arange(width), owner, width)
+        # with overlap (CSA) entry w pools positions (w-1)·rate .. (w+1)·rate - 1, else its own window
+        lo = w * rate - (rate if scheme.overlap else 0)
+        new_entries = self.ring_gather(lo[:, None] + torch.arange(scheme.span), owner, scheme.ring)
         entry_dst = page_table[owner, w // per_page] * per_page + w % per_page
         entry_src = self.offsets[owner] + (w + 1) * rate - 1 - self.starts[owner]
         if trash is None:
@@ -224,7 +248,7 @@ class _Geometry:
         pages = page_table[self.req][:, (e // per_page).clamp(max=page_table.shape[1] - 1)]
         visible_row = pages * per_page + e % per_page
         visible = e[None, :] < seen[:, None]
-        return CompressPlan(rate, new_entries, entry_dst, w * rate, entry_src, self.ring_write(width, trash),
+        return CompressPlan(rate, new_entries, entry_dst, w * rate, entry_src, self.ring_write(scheme.ring, trash),
                             visible_row, visible)
 
 

@@ -12,6 +12,10 @@ for all routed experts: `experts.gate_up_proj [E, 2I, D]` (w1 rows, then w3) and
 The MTP layers (transformers drops them) follow the same rules under `mtp.N.`: `mtp.N.attn.*`, `ffn.*`,
 `attn_norm`, `hc_attn_*`, plus `enorm`, `hnorm`, `e_proj`, `h_proj`, `norm`, `hc_head_*` (see `mtp.py`).
 Names already ours map to themselves, so our own checkpoints load as they are.
+
+DeepSeek-V4.1 names its tensors by the same rules but for its attention: the indexer sits in it
+(`attn.indexer.*`, not under a compressor) and its K=V norm is `attn.kv_norm`, as ours (only the
+compressor's is `norm`): `V41_NAMES` has its own rules there.
 """
 
 from __future__ import annotations
@@ -22,15 +26,19 @@ from dataclasses import dataclass
 # (DeepSeek's pattern, our replacement, our pattern, DeepSeek's replacement). Applied in this order to a
 # DeepSeek name (without `model.`), in the reverse order to one of ours; each rule sees the names the
 # rules before it (in that direction) produced.
-_RULES: list[tuple[str, str, str, str]] = []
+Rule = tuple[str, str, str, str]
+_RULES: dict[str, list[Rule]] = {"v4": [], "v41": []}
 
 
-def _rule(theirs: str, ours: str, ours_pattern: str | None = None, theirs_repl: str | None = None) -> None:
-    """A rule both ways: plain fragments (escaped), or a regex pair with explicit replacements."""
-    if ours_pattern is None:
-        _RULES.append((re.escape(theirs), ours, re.escape(ours), theirs))
-    else:
-        _RULES.append((theirs, ours, ours_pattern, theirs_repl))
+def _rule(theirs: str, ours: str, ours_pattern: str | None = None, theirs_repl: str | None = None,
+          only: str | None = None) -> None:
+    """A rule both ways: plain fragments (escaped), or a regex pair with explicit replacements; `only`:
+    the one generation ("v4" or "v41") that names tensors so."""
+    rule = (re.escape(theirs), ours, re.escape(ours), theirs) if ours_pattern is None else \
+        (theirs, ours, ours_pattern, theirs_repl)
+    for generation, rules in _RULES.items():
+        if only in (None, generation):
+            rules.append(rule)
 
 
 # an FP8 weight's scale; the mHC scales (`attn_hc.scale` …) are not weights' scales
@@ -57,13 +65,14 @@ _rule(".shared_experts.w1.", ".shared_experts.gate_proj.")
 _rule(".shared_experts.w2.", ".shared_experts.down_proj.")
 _rule(".shared_experts.w3.", ".shared_experts.up_proj.")
 # the indexer's compressor and projections sit in DeepSeek's attention, in ours under the CSA compressor
-_rule(".indexer.compressor.", ".compressor.indexer.")
-_rule(".indexer.weights_proj.", ".compressor.indexer.scorer.weights_proj.")
+_rule(".indexer.compressor.", ".compressor.indexer.", only="v4")
+_rule(".indexer.weights_proj.", ".compressor.indexer.scorer.weights_proj.", only="v4")
 _rule(r"(?<!\.compressor)\.indexer\.q_b_proj\.", ".compressor.indexer.q_b_proj.",
-      r"\.compressor\.indexer\.q_b_proj\.", ".indexer.q_b_proj.")
+      r"\.compressor\.indexer\.q_b_proj\.", ".indexer.q_b_proj.", only="v4")
 # the K=V norm of the attention and of both compressors (not the model's or an MTP layer's `norm`)
 _rule(r"(\.self_attn\.(?:compressor\.(?:indexer\.)?)?)norm\.", r"\1kv_norm.",
-      r"(\.self_attn\.(?:compressor\.(?:indexer\.)?)?)kv_norm\.", r"\1norm.")
+      r"(\.self_attn\.(?:compressor\.(?:indexer\.)?)?)kv_norm\.", r"\1norm.", only="v4")
+_rule(".self_attn.compressor.norm.", ".self_attn.compressor.kv_norm.", only="v41")
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.w([123])\.(weight|weight_scale_inv)$")
 _MERGED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?$")
@@ -80,37 +89,46 @@ class Target:
     half: int = 0
 
 
-def ours(name: str) -> Target:
-    """Our tensor for a checkpoint tensor `name` (DeepSeek's, transformers' saved or in-memory, or ours).
-    The result names a tensor only if the model has one by that name; the loader checks that."""
-    stem = name.removeprefix("model.")
-    for theirs, repl, _, _ in _RULES:
-        stem = re.sub(theirs, repl, stem)
-    full = stem if stem.startswith(_UNPREFIXED) else f"model.{stem}"
-    expert = _EXPERT.match(full)
-    if expert is None:
-        return Target(full)
-    experts, index, w, suffix = expert.groups()
-    merged = "down_proj" if w == "2" else "gate_up_proj"
-    return Target(f"{experts}.{merged}{'_scale_inv' if suffix == 'weight_scale_inv' else ''}",
-                  int(index), int(w == "3"))
+class NameTable:
+    """A family's name rules, both ways: `ours` for a checkpoint tensor, `published` for one of ours."""
+
+    def __init__(self, rules: list[Rule]):
+        self.rules = rules
+
+    def ours(self, name: str) -> Target:
+        """Our tensor for a checkpoint tensor `name` (DeepSeek's, transformers' saved or in-memory, or ours).
+        The result names a tensor only if the model has one by that name; the loader checks that."""
+        stem = name.removeprefix("model.")
+        for theirs, repl, _, _ in self.rules:
+            stem = re.sub(theirs, repl, stem)
+        full = stem if stem.startswith(_UNPREFIXED) else f"model.{stem}"
+        expert = _EXPERT.match(full)
+        if expert is None:
+            return Target(full)
+        experts, index, w, suffix = expert.groups()
+        merged = "down_proj" if w == "2" else "gate_up_proj"
+        return Target(f"{experts}.{merged}{'_scale_inv' if suffix == 'weight_scale_inv' else ''}",
+                      int(index), int(w == "3"))
+
+    def published(self, name: str, num_experts: int) -> list[tuple[str, Target]]:
+        """DeepSeek's on-disk names for our tensor `name`, each with the part of it that it holds: one name,
+        or for merged routed experts one per expert and w (gate_up: w1, w3; down: w2)."""
+        merged = _MERGED.match(name)
+        if merged is None:
+            return [(self._theirs(name), Target(name))]
+        experts, which, scale = merged.groups()
+        suffix = ".scale" if scale else ".weight"
+        ws = ("2",) if which == "down_proj" else ("1", "3")
+        return [(self._theirs(f"{experts}.{e}") + f".w{w}{suffix}", Target(name, e, half))
+                for e in range(num_experts) for half, w in enumerate(ws)]
+
+    def _theirs(self, name: str) -> str:
+        stem = name.removeprefix("model.")
+        for _, _, pattern, repl in reversed(self.rules):
+            stem = re.sub(pattern, repl, stem)
+        return stem
 
 
-def published(name: str, num_experts: int) -> list[tuple[str, Target]]:
-    """DeepSeek's on-disk names for our tensor `name`, each with the part of it that it holds: one name,
-    or for merged routed experts one per expert and w (gate_up: w1, w3; down: w2)."""
-    merged = _MERGED.match(name)
-    if merged is None:
-        return [(_theirs(name), Target(name))]
-    experts, which, scale = merged.groups()
-    suffix = ".scale" if scale else ".weight"
-    ws = ("2",) if which == "down_proj" else ("1", "3")
-    return [(_theirs(f"{experts}.{e}") + f".w{w}{suffix}", Target(name, e, half))
-            for e in range(num_experts) for half, w in enumerate(ws)]
-
-
-def _theirs(name: str) -> str:
-    stem = name.removeprefix("model.")
-    for _, _, pattern, repl in reversed(_RULES):
-        stem = re.sub(pattern, repl, stem)
-    return stem
+V4_NAMES = NameTable(_RULES["v4"])
+V41_NAMES = NameTable(_RULES["v41"])
+ours, published = V4_NAMES.ours, V4_NAMES.published

@@ -248,6 +248,8 @@ class ModelConfig:
         """Why blocks come in multiples of `min_block_size` (for error messages)."""
         return f"the least common multiple of this model's compress rates {self.compress_rates}"
 
+    host_table_bytes = 0  # tables kept in host memory beside the weights (V4 has none; V4.1's Engram)
+
     @property
     def num_moe_layers(self) -> int:
         """Every layer is a MoE layer, the MTP layers' after the main ones: rows of an expert layout."""
@@ -377,7 +379,7 @@ class ModelConfig:
             prf = legacy / head_dim if legacy is not None else _DEFAULT_PARTIAL_ROTARY_FACTOR
         rope_dim = int(head_dim * prf)
         kw["qk_rope_head_dim"] = rope_dim
-        kw["main_rope"], kw["compress_rope"] = _parse_rope(raw, rope_dim, head_dim)
+        kw["main_rope"], kw["compress_rope"] = parse_rope(raw, rope_dim, head_dim)
 
         eos = raw.get("eos_token_id", 1)
         kw["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -396,7 +398,7 @@ _DERIVED_FIELDS = {
 }
 
 
-def _parse_rope(raw: dict[str, Any], rope_dim: int, head_dim: int) -> tuple[RopeConfig, RopeConfig]:
+def parse_rope(raw: dict[str, Any], rope_dim: int, head_dim: int) -> tuple[RopeConfig, RopeConfig]:
     """The two rotary embeddings of V4, as the reference derives them.
 
     Sliding-window layers use `main`: plain RoPE at `rope_theta`. CSA/HCA layers use `compress`:

@@ -18,10 +18,12 @@ from rackserve.timing import phase
 class DecoderLayer(nn.Module):
     """Attention then MoE, each wrapped in an mHC over the `hc_mult` residual streams."""
 
+    attention_cls = Attention  # a generation's attention layer (`cls(config, layer)`)
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         c = config
-        self.self_attn = Attention(c, layer)
+        self.self_attn = self.attention_cls(c, layer)
         self.mlp = MoE(c, layer)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)

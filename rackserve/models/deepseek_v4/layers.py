@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from rackserve.kernels import dispatch
+from rackserve.kernels.mhc import collapse
 
 
 class RMSNorm(nn.Module):
@@ -44,6 +45,16 @@ class HyperConnection(nn.Module):
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams `[T, N, D]` -> (post `[T, N]`, comb `[T, N, N]`, block input `[T, D]`)."""
         return dispatch.mhc_pre(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
+
+    def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams `[T, N, D]` -> (pre `[T, N]`, post `[T, N]`, comb `[T, N, N]`), without collapsing:
+        a delayed mHC (DeepSeek-V4.1) collapses the *next* block's input with this `pre`."""
+        return dispatch.mhc_mix(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
+
+    @staticmethod
+    def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Block input `[T, D]` = Σ_n pre_n · streams_n (streams `[T, N, D]`, pre `[T, N]`)."""
+        return collapse(streams, pre)
 
     @staticmethod
     def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -24,41 +24,37 @@ from rackserve.models.checkpoint import (CheckpointError, StoredTensor, checkpoi
                                          open_safetensors, tensor_index)
 from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.kernels.block_scaled import ScaleGridError, block_of
-from rackserve.models.deepseek_v4.checkpoint_names import Target, ours
+from rackserve.models.deepseek_v4.checkpoint_names import NameTable, Target
 from rackserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from rackserve.models.deepseek_v4.moe import MoE
 from rackserve.models.deepseek_v4.quantized import SCALE_SUFFIX, dequantize_modules, quantize_modules
+from rackserve.models.moe import RoutedMoE
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_FP32_MARKERS = ("_hc.", "hc_head.", "sinks", "position_bias", "norm.weight", "e_score_correction_bias")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MTP_PREFIX = "mtp."
 _CODE_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
-def keeps_fp32(name: str) -> bool:
-    return any(marker in name for marker in _FP32_MARKERS)
-
-
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
-                materialize: bool = True) -> DeepseekV4ForCausalLM:
-    """An uninitialised model with each parameter in its load dtype (fp32 where the reference keeps it)."""
+def build_model(config, dtype: torch.dtype, device: torch.device | str = "cpu", materialize: bool = True,
+                cls: type = DeepseekV4ForCausalLM):
+    """An uninitialised `cls(config)` with each parameter in its load dtype (fp32 where the model keeps
+    it: `cls.keeps_fp32`)."""
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config)
+        model = cls(config)
     for name, p in model.named_parameters():
-        if not keeps_fp32(name):
+        if not model.keeps_fp32(name):
             p.data = p.data.to(dtype)
     if materialize:
         _materialize(model, device)
     return model.eval()
 
 
-def _materialize(model: DeepseekV4ForCausalLM, device: torch.device | str) -> None:
+def _materialize(model: torch.nn.Module, device: torch.device | str) -> None:
     model.to_empty(device=device)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for layer in model.moe_layers + model.mtp_moe_layers:
-        if layer.ep is not None:  # sharded on the meta device: its slot maps are garbage now
-            layer.set_layout(layer.layout)
+    for layer in model.modules():
+        if isinstance(layer, RoutedMoE) and layer.ep is not None:  # sharded on the meta device: its slot
+            layer.set_layout(layer.layout)  # maps are garbage now
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
@@ -71,13 +67,20 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     the experts are sharded before loading, so this rank reads and holds only its own slots' experts
     (one full copy of V4-Flash's experts is 140 GiB even in FP4).
     """
+    return load_checkpoint(ModelConfig.from_pretrained(path), checkpoint_files(Path(path)), DeepseekV4ForCausalLM,
+                           dtype, device, weights, shard)
+
+
+def load_checkpoint(config, files: list[Path], cls: type, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str = "cpu", weights: str = "stored", shard: tuple | None = None,
+                    skip=None):
+    """`cls(config)` with the tensors of `files`, named as `cls.NAMES` says (`load_model`'s arguments;
+    `skip` as `load_weights` takes it): how any DeepSeek generation's checkpoint loads."""
     if weights not in WEIGHTS:
         raise CheckpointError(f"weights={weights!r}: use one of {WEIGHTS}")
-    path = Path(path)
-    config = ModelConfig.from_pretrained(path)
-    dtype = _DTYPES[dtype or config.dtype] if not isinstance(dtype, torch.dtype) else dtype
-    model = build_model(config, dtype, materialize=False)
-    load_weights(model, checkpoint_files(path), device, shard)
+    dtype = DTYPES[dtype or config.dtype] if not isinstance(dtype, torch.dtype) else dtype
+    model = build_model(config, dtype, materialize=False, cls=cls)
+    load_weights(model, files, device, shard, skip)
     if weights == "dequantize":
         dequantize_modules(model, dtype)
     return model
@@ -90,13 +93,15 @@ class _Entry(StoredTensor):
     target: Target
 
 
-def load_weights(model: DeepseekV4ForCausalLM, files: list[Path], device: torch.device | str = "cpu",
-                 shard: tuple | None = None) -> None:
-    """Materialise `model` (built on the meta device) on `device` with the tensors of `files`, quantized
-    where the files are, its experts sharded first if `shard` says so (see `load_model`); raise listing
-    missing, unknown and mis-shaped tensors."""
-    entries = _index(files)
-    if not any(e.target.name.startswith(_MTP_PREFIX) for e in entries.values()):
+def load_weights(model: torch.nn.Module, files: list[Path], device: torch.device | str = "cpu",
+                 shard: tuple | None = None, skip=None) -> None:
+    """Materialise `model` (built on the meta device) on `device` with the tensors of `files` (named as
+    `model.NAMES` says), quantized where the files are, its experts sharded first if `shard` says so (see
+    `load_model`); raise listing missing, unknown and mis-shaped tensors. `skip`: a predicate on file
+    names the family does not read (left unread, never "unexpected"). A model with MTP layers
+    (`model.mtp`) whose files have none drops them."""
+    entries = {n: e for n, e in _index(files, model.NAMES).items() if skip is None or not skip(n)}
+    if len(getattr(model, "mtp", ())) and not any(e.target.name.startswith(_MTP_PREFIX) for e in entries.values()):
         model.drop_mtp()
     names = set(model.state_dict())
     unexpected = [n for n, e in entries.items() if e.target.name.removesuffix(SCALE_SUFFIX) not in names]
@@ -107,7 +112,8 @@ def load_weights(model: DeepseekV4ForCausalLM, files: list[Path], device: torch.
         model.shard_experts(*shard)
     _materialize(model, device)
     # the logical expert of each slot of a sharded MoE layer's experts
-    held = {f"{name}.experts": m.local_experts for name, m in model.named_modules() if isinstance(m, MoE) and m.ep}
+    held = {f"{name}.experts": m.local_experts for name, m in model.named_modules()
+            if isinstance(m, RoutedMoE) and m.ep}
     targets = dict(model.state_dict(keep_vars=True))
     if model.config.tie_word_embeddings:
         targets.pop("lm_head.weight", None)
@@ -145,12 +151,12 @@ def load_weights(model: DeepseekV4ForCausalLM, files: list[Path], device: torch.
         raise CheckpointError(mismatch_message(missing, unexpected, misshaped))
 
 
-def _index(files: list[Path]) -> dict[str, _Entry]:
+def _index(files: list[Path], names: NameTable) -> dict[str, _Entry]:
     """Every tensor of `files`, by its name in the files."""
-    return {name: _Entry(**vars(t), target=ours(name)) for name, t in tensor_index(files).items()}
+    return {name: _Entry(**vars(t), target=names.ours(name)) for name, t in tensor_index(files).items()}
 
 
-def _stored_shapes(model: DeepseekV4ForCausalLM,
+def _stored_shapes(model: torch.nn.Module,
                    entries: dict[str, _Entry]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{our weight name: (codes, scales) on the meta device} for the weights the files hold quantized.
     Per-expert tensors stack into one `[E, rows, …]` tensor (gate_up: w1 rows, then w3)."""
@@ -175,7 +181,7 @@ def _stored_shapes(model: DeepseekV4ForCausalLM,
     return stored
 
 
-def _stack(parts: dict[tuple[int | None, int], _Entry], model: DeepseekV4ForCausalLM, name: str) -> torch.Tensor:
+def _stack(parts: dict[tuple[int | None, int], _Entry], model: torch.nn.Module, name: str) -> torch.Tensor:
     """A meta tensor of the shape and dtype that `parts` (one tensor, or one per (expert, half)) make together."""
     first = next(iter(parts.values()))
     if first.target.expert is None:

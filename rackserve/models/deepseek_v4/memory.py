@@ -1,12 +1,14 @@
-"""Weight and state bytes of a DeepSeek-V4 model per GPU, on the meta device: weights in bf16, FP8 and
-FP8+FP4 as published; request state for each `EngineConfig.state_dtype`, and the decode batch that fits.
+"""Weight and state bytes of a DeepSeek model (V4 or V4.1) per GPU, on the meta device: weights in bf16,
+FP8 and FP8+FP4 as published; request state for each `EngineConfig.state_dtype`, and the decode batch
+that fits.
 
-Every figure comes from the model's own module tensors (built on the meta device: nothing is allocated),
-quantized by the same function that writes published checkpoints (`model.published.quantized_as`,
-`kernels.block_scaled.quantize`), so it is what `load_model` would hold. A rank of a DEP instance holds
-the dense part (attention, routers, shared experts, embedding, head, MTP's dense part) and its routed
-expert slots: (experts + redundant slots) / ranks of each MoE layer, MTP layers included.
-State figures are the runtime's own `ModelState` on the meta device (bf16 activations).
+Every figure comes from the model's own module tensors (its family's `model_class`, built on the meta
+device: nothing is allocated), quantized by the same function that writes published checkpoints (the
+class's `published_format`, `kernels.block_scaled.quantize`) in the blocks its generation publishes
+(`PUBLISHED_BLOCK`), so it is what `load_model` would hold. A rank of a DEP instance holds the dense
+part (attention, routers, shared experts, embedding, head, MTP's dense part) and its routed expert slots:
+(experts + redundant slots) / ranks of each MoE layer, MTP layers included. State figures are the
+runtime's own state (`ModelSpec.new_state`) on the meta device (bf16 activations).
 """
 
 from __future__ import annotations
@@ -17,22 +19,25 @@ from dataclasses import dataclass
 import torch
 
 from rackserve.config import STATE_DTYPES, EngineConfig
-from rackserve.models.deepseek_v4.config import ModelConfig, QuantConfig
 from rackserve.kernels.block_scaled import quantize
+from rackserve.models import family
+from rackserve.models.deepseek_v4.config import QuantConfig
 from rackserve.models.deepseek_v4.loader import build_model
-from rackserve.models.deepseek_v4.published import PUBLISHED_EXPERTS, quantized_as
-from rackserve.models.deepseek_v4.state import ModelState
+from rackserve.models.deepseek_v4.published import PUBLISHED_EXPERTS
 
 GIB = 1 << 30
 WORKSPACE_BYTES = 16e9  # assumed: activations, communication buffers, CUDA graphs per GPU
 LONG_CONTEXT = 131072  # tokens of the long-context figure (V4-Flash serves up to 1M)
 PUBLISHED_STATE_BYTES_PER_TOKEN = 890  # DeepSeek's V4.1-Flash figure (cross-layer KV sharing plus FP4)
-# what a user picks between: the checkpoint dequantized, FP8 throughout, and DeepSeek's release
-PRECISIONS = {
-    "bf16": None,
-    "FP8": QuantConfig(scale_fmt="ue8m0", expert_dtype="fp8"),
-    "FP8+FP4": QuantConfig(scale_fmt="ue8m0", expert_dtype="fp4"),
-}
+PRECISION_NAMES = ("bf16", "FP8", "FP8+FP4")
+
+
+def precisions(config) -> dict[str, QuantConfig | None]:
+    """What a user picks between: the checkpoint dequantized, FP8 throughout, and DeepSeek's release, in
+    the scale blocks `config`'s generation publishes."""
+    block = family(config.model_type).model_class.PUBLISHED_BLOCK
+    return dict(zip(PRECISION_NAMES, (None, QuantConfig(weight_block_size=block, scale_fmt="ue8m0", expert_dtype="fp8"),
+                                      QuantConfig(weight_block_size=block, scale_fmt="ue8m0", expert_dtype="fp4"))))
 
 
 @dataclass(frozen=True)
@@ -54,13 +59,13 @@ class WeightBytes:
 
 
 @functools.cache  # the meta build of V4-Flash's shape takes seconds; a report asks for each precision once
-def weight_bytes(config: ModelConfig, quant: QuantConfig | None, dtype: torch.dtype = torch.bfloat16) -> WeightBytes:
+def weight_bytes(config, quant: QuantConfig | None, dtype: torch.dtype = torch.bfloat16) -> WeightBytes:
     """The bytes of `config`'s weights stored as `quant` says (None: all in `dtype`), fp32 where the
-    model keeps it."""
-    model = build_model(config, dtype, materialize=False)
+    model keeps it. Tables a family keeps in host memory are not weights (`host_table_bytes`)."""
+    model = build_model(config, dtype, materialize=False, cls=family(config.model_type).model_class)
     dense = experts = 0
     for name, tensor in model.state_dict().items():
-        fmt = quantized_as(name, quant)
+        fmt = model.published_format(name, quant)
         parts = [tensor] if fmt is None else quantize(tensor, quant.weight_block_size, fp4=fmt == "fp4",
                                                       ue8m0=quant.scale_fmt == "ue8m0")
         size = sum(t.numel() * t.element_size() for t in parts)
@@ -76,10 +81,10 @@ def slots_per_rank(experts: int, redundant: int, ranks: int) -> int:
     return -(-(experts + redundant) // ranks)
 
 
-def serving_report(model: ModelConfig, ranks: dict[str, int]) -> dict[str, dict[str, float]]:
+def serving_report(model, ranks: dict[str, int]) -> dict[str, dict[str, float]]:
     """{row: {precision: GiB}} for ranks {label: expert slots it holds}, then the dense part, one slot
     and one full copy of the model."""
-    per = {name: weight_bytes(model, quant) for name, quant in PRECISIONS.items()}
+    per = {name: weight_bytes(model, quant) for name, quant in precisions(model).items()}
     rows = {label: {p: w.rank(slots) / GIB for p, w in per.items()} for label, slots in ranks.items()}
     rows["dense (every DP rank)"] = {p: w.dense / GIB for p, w in per.items()}
     rows["one routed-expert slot"] = {p: w.expert_slot / GIB for p, w in per.items()}
@@ -105,15 +110,15 @@ class StateBytes:
         return self.slot + -(-tokens // self.block_size) * self.page
 
 
-def state_bytes(config: ModelConfig, state_dtype: str, dtype: torch.dtype = torch.bfloat16) -> StateBytes:
+def state_bytes(config, state_dtype: str, dtype: torch.dtype = torch.bfloat16) -> StateBytes:
     """What the runtime's state takes per request for `config` held as `state_dtype`, in pages of the
     engine's default block size."""
     block = EngineConfig().resolve(config).block_size
-    probe = ModelState(config, 1, 1, block, dtype, device="meta", state_dtype=state_dtype)
+    probe = config.new_state(1, 1, block, dtype, "meta", state_dtype=state_dtype)
     return StateBytes(probe.slot_bytes, probe.page_bytes, block)
 
 
-def state_report(model: ModelConfig, rank_weights: int, hbm: dict[str, float],
+def state_report(model, rank_weights: int, hbm: dict[str, float],
                  context: int = LONG_CONTEXT) -> dict[str, dict[str, float]]:
     """{state_dtype: figures}: bytes per token, fixed MiB per request, GiB of a `context`-token request,
     and for each GPU of `hbm` (name: bytes) the most such requests a rank fits beside `rank_weights`
@@ -141,6 +146,6 @@ def format_state_report(rows: dict[str, dict[str, float]]) -> str:
 
 def format_report(rows: dict[str, dict[str, float]]) -> str:
     width = max(map(len, rows)) + 2
-    lines = [" " * width + "".join(f"{p:>10}" for p in PRECISIONS)]
+    lines = [" " * width + "".join(f"{p:>10}" for p in PRECISION_NAMES)]
     lines += [f"{label:<{width}}" + "".join(f"{v:10.2f}" for v in row.values()) for label, row in rows.items()]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from rackserve.models.causal_lm import CausalLM
+from rackserve.models.deepseek_v4.checkpoint_names import V4_NAMES
 from rackserve.models.deepseek_v4.config import SLIDING, ModelConfig
 from rackserve.models.deepseek_v4.batch import ForwardBatch
 from rackserve.models.deepseek_v4.decoder import DecoderLayer
@@ -23,6 +24,7 @@ from rackserve.models.deepseek_v4.draft import MTPDrafter
 from rackserve.models.deepseek_v4.layers import HyperHead, RMSNorm
 from rackserve.models.deepseek_v4.moe import MoE
 from rackserve.models.deepseek_v4.mtp import MTPBlock
+from rackserve.models.deepseek_v4.published import quantized_as
 from rackserve.models.deepseek_v4.rollback import Rollback
 from rackserve.models.deepseek_v4.rope import Rotary
 from rackserve.models.deepseek_v4.state import ModelState
@@ -40,6 +42,17 @@ class DeepseekV4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(CausalLM):
     """The whole model. Build it with `rackserve.models.deepseek_v4.loader.load_model` to get weights."""
+
+    NAMES = V4_NAMES  # DeepSeek's tensor names for ours
+    PUBLISHED_BLOCK = (128, 128)  # FP8 scale blocks (rows, inputs) of the published checkpoints
+    # how DeepSeek's published checkpoints store each of our tensors: "fp8", "fp4" or None
+    published_format = staticmethod(quantized_as)
+    # parameters kept in fp32 whatever the checkpoint dtype, as the reference keeps them
+    FP32_MARKERS = ("_hc.", "hc_head.", "sinks", "position_bias", "norm.weight", "e_score_correction_bias")
+
+    def keeps_fp32(self, name: str) -> bool:
+        """Whether parameter `name` stays fp32 (norms, mHC, sinks, position biases, the router's bias)."""
+        return any(marker in name for marker in self.FP32_MARKERS)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config, DeepseekV4Model(config))

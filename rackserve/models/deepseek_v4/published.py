@@ -19,9 +19,6 @@ from safetensors.torch import save_file
 
 from rackserve.models.deepseek_v4.config import QuantConfig
 from rackserve.kernels.block_scaled import quantize
-from rackserve.models.deepseek_v4.checkpoint_names import published
-from rackserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from rackserve.models.deepseek_v4.loader import keeps_fp32
 
 PUBLISHED_FP8 = re.compile(r"(\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)\.weight"
                            r"|\.shared_experts\.\w+\.weight|^mtp\.\d+\.(e_proj|h_proj)\.weight)$")
@@ -38,23 +35,29 @@ def quantized_as(name: str, quant: QuantConfig | None) -> str | None:
     return "fp8" if PUBLISHED_FP8.search(name) else None
 
 
-def save_published(model: DeepseekV4ForCausalLM, path: str | Path, quant: QuantConfig | None) -> dict[str, str]:
+def save_published(model, path: str | Path, quant: QuantConfig | None,
+                   extra: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
     """Write `model`'s tensors into `path` as `model-0000i-of-0000n.safetensors` shards and
-    `model.safetensors.index.json`; returns the index's weight map (DeepSeek name -> shard)."""
+    `model.safetensors.index.json`; returns the index's weight map (DeepSeek name -> shard).
+
+    The model's class says how (`NAMES`: DeepSeek's names; `published_format(name, quant)`: "fp8", "fp4"
+    or None); `extra`: more tensors to write as they are, by their file name (what a family keeps outside
+    the model's parameters)."""
     path = Path(path)
     n = model.config.n_routed_experts
     tensors: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
-        fmt = quantized_as(name, quant)
-        for disk, target in published(name, n):
+        fmt = model.published_format(name, quant)
+        for disk, target in model.NAMES.published(name, n):
             part = value if target.expert is None else _expert_part(value, target.expert, target.half, name)
             if fmt is None:
-                keep = keeps_fp32(name) or not part.is_floating_point()  # e.g. the hash routing table
+                keep = model.keeps_fp32(name) or not part.is_floating_point()  # e.g. the hash routing table
                 tensors[disk] = part if keep else part.to(torch.bfloat16)
                 continue
             codes, scales = quantize(part, quant.weight_block_size, fp4=fmt == "fp4", ue8m0=quant.scale_fmt == "ue8m0")
             tensors[disk] = codes
             tensors[disk.removesuffix(".weight") + ".scale"] = scales
+    tensors.update(extra or {})
     names = list(tensors)
     shard_of = {name: i * SHARDS // len(names) for i, name in enumerate(names)}
     files = [f"model-{i + 1:05d}-of-{SHARDS:05d}.safetensors" for i in range(SHARDS)]

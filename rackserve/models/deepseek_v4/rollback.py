@@ -22,28 +22,33 @@ from collections.abc import Iterable
 
 import torch
 
-from rackserve.models.deepseek_v4.config import CSA, SLIDING
 from rackserve.models.deepseek_v4.batch import ForwardBatch
-from rackserve.models.deepseek_v4.state import ModelState
 
 
 class Rollback:
-    """The rows that `batch`'s `speculative` tokens (bool `[T]`) will write in `layers` of `state`."""
+    """The rows that `batch`'s `speculative` tokens (bool `[T]`) will write in `layers` of `state`.
 
-    def __init__(self, state: ModelState, batch: ForwardBatch, speculative: torch.Tensor, layers: Iterable[int]):
+    `state` lays its tensors out as `ModelState` does (per layer `swa`, and where the layer has them
+    `ring`, `index_ring`, `entries`, `index_keys`; a layer's plan is `batch.plans[state.scheme_of(layer)]`),
+    plus, with `state.lookback`, the token ring `lookback_ids` that every layer reads."""
+
+    def __init__(self, state, batch: ForwardBatch, speculative: torch.Tensor, layers: Iterable[int]):
         self._saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._speculative = speculative
         for layer in layers:
-            kind = state.layer_types[layer]
             self._save(state.swa[layer], batch.swa_write.dst, batch.swa_write.src)
-            if kind == SLIDING:
+            key = state.scheme_of(layer)
+            if key is None:
                 continue
-            plan = batch.plans[kind]
-            self._save(state.ring[layer], plan.ring_write.dst, plan.ring_write.src)
-            self._save(state.entries[layer], plan.entry_dst, plan.entry_src)
-            if kind == CSA:
-                self._save(state.index_ring[layer], plan.ring_write.dst, plan.ring_write.src)
-                self._save(state.index_keys[layer], plan.entry_dst, plan.entry_src)
+            plan = batch.plans[key]
+            for ring in (state.ring[layer], state.index_ring[layer]):
+                if ring is not None:
+                    self._save(ring, plan.ring_write.dst, plan.ring_write.src)
+            for pages in (state.entries[layer], state.index_keys[layer]):
+                if pages is not None:
+                    self._save(pages, plan.entry_dst, plan.entry_src)
+        if state.lookback:
+            self._save(state.lookback_ids, batch.lookback_write.dst, batch.lookback_write.src)
 
     def _save(self, tensor: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
         """tensor `[N, K, C]` whose rows `dst [M]` of its `[N·K, C]` view token rows `src [M]` write."""

@@ -1,0 +1,72 @@
+"""One DeepSeek-V4.1 block: Engram (on its layers), then attention and MoE inside a *delayed* mHC.
+
+Delayed mHC: each sublayer's mHC weights come from the streams it receives, but its input is collapsed
+with the `pre` weights the sublayer before it computed (layer 0's attention: stream 0 alone); the
+model's output is the collapse with the last MoE's `pre`. No learned head collapse (V4's `hc_head`).
+Shapes: T tokens, N = hc_mult streams, D hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rackserve.models.deepseek_v4.batch import ForwardBatch
+from rackserve.models.deepseek_v4.decoder import DecoderLayer
+from rackserve.models.deepseek_v4.layers import HyperConnection
+from rackserve.models.deepseek_v4.rope import Rotary
+from rackserve.models.deepseek_v41.attention import Attention, Selection
+from rackserve.timing import phase
+
+
+class Engram(nn.Module):
+    """Gates an n-gram lookup into every stream: the rows' values `[T, C · d]` -> `kv_proj` -> one key per
+    stream and one value; per stream the normalised dot product of stream and key (weighted by
+    `q_weight · k_weight`) gives gate = sigmoid(sign(dot) · √max(|dot|, 1e-6)), and stream += gate · value."""
+
+    def __init__(self, config, table: int):
+        super().__init__()
+        c = config
+        self.table, self.streams, self.dim, self.eps = table, c.hc_mult, c.hidden_size, c.rms_norm_eps
+        self.kv_proj = nn.Linear(c.engram.columns * c.engram_head_dim, c.hidden_size * (c.hc_mult + 1), bias=False)
+        self.q_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size, dtype=torch.float32))
+        self.k_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """streams `[T, N, D]`, values `[T, C · d]` -> streams `[T, N, D]` (computed in fp32)."""
+        key, value = self.kv_proj(values).split([self.streams * self.dim, self.dim], dim=-1)
+        key, h = key.float().unflatten(-1, (self.streams, self.dim)), streams.float()
+        # normalised per stream over D, not jointly over the streams
+        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (h * (self.q_weight * self.k_weight) * key).sum(-1) * rstd * self.dim**-0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))  # signed sqrt, as trained
+        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(1)).to(streams.dtype)
+
+
+class Block(DecoderLayer):
+    """Layer `layer`: [Engram], attention, MoE, each sublayer in an mHC over the `hc_mult` streams (V4's
+    layer with V4.1's attention, Engram and the delayed mHC)."""
+
+    attention_cls = Attention
+
+    def __init__(self, config, layer: int):
+        super().__init__(config, layer)
+        layers = config.engram_layer_ids
+        self.engram = Engram(config, layers.index(layer)) if layer in layers else None
+
+    def forward(self, streams: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, state, rotary: Rotary,
+                selection: Selection | None, eligible: torch.Tensor | None, engram: torch.Tensor | None):
+        """streams `[T, N, D]`, pre `[T, N]` (the collapse weights the previous block left), engram: this
+        layer's looked-up rows `[T, C · d]` (Engram layers) -> (streams, pre for the next block, the
+        selection and eligible entries for the layers above)."""
+        if self.engram is not None:
+            streams = self.engram(streams, engram)
+        attn_pre, post, comb = self.attn_hc.mixes(streams)
+        with phase("attention"):
+            out, selection, eligible = self.self_attn(self.input_layernorm(HyperConnection.collapse(streams, pre)),
+                                                      batch, state, rotary, selection, eligible)
+        streams = HyperConnection.merge(streams, out, post, comb)
+        ffn_pre, post, comb = self.ffn_hc.mixes(streams)
+        x = self.post_attention_layernorm(HyperConnection.collapse(streams, attn_pre))
+        out = self.mlp(x, batch.input_ids, batch.positions, batch.real)
+        return HyperConnection.merge(streams, out, post, comb), ffn_pre, selection, eligible
