@@ -18,7 +18,8 @@ class Router(nn.Module):
     """Scores experts and picks k per token: by score + correction bias, or by a frozen hash table.
 
     Either way the weights are the picked experts' scores, renormalised to sum to 1 and scaled
-    by `routed_scaling_factor`.
+    by `routed_scaling_factor`. The scores are computed in the router weight's dtype (DeepSeek-V4.1
+    keeps it in fp32).
     """
 
     def __init__(self, config: ModelConfig, hashed: bool):
@@ -33,7 +34,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[T, D]`, input_ids `[T]` -> (expert ids `[T, k]` long, weights `[T, k]`)."""
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x.to(self.weight.dtype), self.weight)
         if self.hashed:
             return dispatch.route(logits, self.k, self.scoring, self.scale, hash_ids=self.tid2eid[input_ids])
         return dispatch.route(logits, self.k, self.scoring, self.scale, bias=self.e_score_correction_bias)

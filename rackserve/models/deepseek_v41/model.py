@@ -56,7 +56,8 @@ class DeepseekV41ForCausalLM(CausalLM):
     NAMES = V41_NAMES
     PUBLISHED_BLOCK = (32, 32)  # FP8 scale blocks (rows, inputs) of the published checkpoints
     published_format = staticmethod(published_v41)
-    FP32_MARKERS = DeepseekV4ForCausalLM.FP32_MARKERS + ("engram.q_weight", "engram.k_weight")
+    # besides V4's: the Engram gate's weights, and the router's (DeepSeek scores experts in fp32)
+    FP32_MARKERS = DeepseekV4ForCausalLM.FP32_MARKERS + ("engram.q_weight", "engram.k_weight", ".mlp.gate.weight")
 
     def __init__(self, config):
         super().__init__(config, DeepseekV41Model(config))
@@ -68,7 +69,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                                        config.kv_source_layer_ids if config.compress_ratios[layer] > 1)
 
     def keeps_fp32(self, name: str) -> bool:
-        """Whether parameter `name` stays fp32: V4's, the Engram gate's weights, the ratio-2 compressors."""
+        """Whether parameter `name` stays fp32: `FP32_MARKERS`, and the ratio-2 compressors."""
         return any(m in name for m in self.FP32_MARKERS) or name.startswith(self._fp32_compressors)
 
     def rotary(self, ratio: int) -> Rotary:
