@@ -26,7 +26,7 @@ from rackserve.models.deepseek_v4.moe import MoE
 from rackserve.models.deepseek_v4.mtp import MTPBlock
 from rackserve.models.deepseek_v4.published import quantized_as
 from rackserve.models.deepseek_v4.rollback import Rollback
-from rackserve.models.deepseek_v4.rope import Rotary
+from rackserve.models.deepseek_v4.rope import Rotaries, Rotary
 from rackserve.models.deepseek_v4.state import ModelState
 
 
@@ -58,16 +58,12 @@ class DeepseekV4ForCausalLM(CausalLM):
         super().__init__(config, DeepseekV4Model(config))
         # registered last, so the main model's parameters come first in the state dict
         self.mtp = nn.ModuleList(MTPBlock(config, i) for i in range(config.num_nextn_predict_layers))
-        self._rotary: dict[str, Rotary] = {}
+        self._rotaries = Rotaries()
 
     def rotary(self, kind: str) -> Rotary:
         """The rotary of a layer kind: `main` rope for sliding layers, `compress` rope otherwise."""
-        name = "main" if kind == SLIDING else "compress"
-        device = self.lm_head.weight.device
-        if name not in self._rotary or self._rotary[name].inv_freq.device != device:
-            rope = self.config.main_rope if name == "main" else self.config.compress_rope
-            self._rotary[name] = Rotary(rope, device)
-        return self._rotary[name]
+        rope = self.config.main_rope if kind == SLIDING else self.config.compress_rope
+        return self._rotaries.get(rope, self.lm_head.weight.device)
 
     def shard_experts(self, ep, phy2log: torch.Tensor) -> None:
         """Expert parallel: keep only this rank's expert slots of every MoE layer (see `MoE.shard`).

@@ -62,6 +62,20 @@ class Rotary:
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
 
+class Rotaries:
+    """One `Rotary` per rope config and device, made on first use (a model asks for its layers' ropes
+    on every forward)."""
+
+    def __init__(self):
+        self._made: dict[RopeConfig, Rotary] = {}
+
+    def get(self, rope: RopeConfig, device: torch.device) -> Rotary:
+        made = self._made.get(rope)
+        if made is None or made.inv_freq.device != device:
+            made = self._made[rope] = Rotary(rope, device)
+        return made
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing `2 * cos.shape[-1]` channels of `x`.
 

@@ -134,7 +134,7 @@ class ModelConfig:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {DTYPES}")
         self._check_layers()
         if self.engram_layer_ids:
-            self.engram  # builds the layout, which checks the Engram fields against each other
+            EngramLayout.of(self)  # checks the Engram fields against each other
 
     def _check_layers(self) -> None:
         n, ratios = self.num_hidden_layers, self.compress_ratios
@@ -287,9 +287,8 @@ class ModelConfig:
         for theirs, ours in _INFERENCE_NAMES.items():
             if theirs in merged:
                 merged.setdefault(ours, merged.pop(theirs))
-        for name in ("gate_temp",):
-            if merged.get(name, 1.0) != 1.0:
-                raise ConfigError(f"{name}={merged[name]!r} is not supported; DeepSeek-V4.1-Flash routes with 1.0")
+        if merged.get("gate_temp", 1.0) != 1.0:
+            raise ConfigError(f"gate_temp={merged['gate_temp']!r} is not supported; DeepSeek-V4.1-Flash routes with 1.0")
         known = {f.name for f in fields(cls)}
         kw = {k: merged[k] for k in known if k in merged and k not in _DERIVED}
         for k, v in kw.items():

@@ -24,7 +24,7 @@ from rackserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from rackserve.models.deepseek_v4.moe import MoE
 from rackserve.models.deepseek_v4.published import quantized_as
 from rackserve.models.deepseek_v4.rollback import Rollback
-from rackserve.models.deepseek_v4.rope import Rotary
+from rackserve.models.deepseek_v4.rope import Rotaries, Rotary
 from rackserve.models.deepseek_v41.decoder import Block
 from rackserve.models.deepseek_v41.engram import EngramTable, NgramHash
 from rackserve.models.deepseek_v41.state import ModelState
@@ -63,7 +63,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         super().__init__(config, DeepseekV41Model(config))
         self.ngram = NgramHash(config.engram, config.vocab_size) if config.engram_layer_ids else None
         self.engram_tables: list[EngramTable] = []  # one per Engram layer, set by the loader
-        self._rotary: dict[str, Rotary] = {}
+        self._rotaries = Rotaries()
         # DeepSeek pools its ratio-2 compressors in fp32
         self._fp32_compressors = tuple(f"model.layers.{layer}.self_attn.compressor." for layer in
                                        config.kv_source_layer_ids if config.compress_ratios[layer] > 1)
@@ -74,11 +74,8 @@ class DeepseekV41ForCausalLM(CausalLM):
 
     def rotary(self, ratio: int) -> Rotary:
         """The rotary of a layer: the main rope at ratio 0, the compressed branches' (YaRN) otherwise."""
-        name = "compress" if ratio else "main"
-        device = self.lm_head.weight.device
-        if name not in self._rotary or self._rotary[name].inv_freq.device != device:
-            self._rotary[name] = Rotary(self.config.compress_rope if ratio else self.config.main_rope, device)
-        return self._rotary[name]
+        rope = self.config.compress_rope if ratio else self.config.main_rope
+        return self._rotaries.get(rope, self.lm_head.weight.device)
 
     def shard_experts(self, ep, phy2log: torch.Tensor) -> None:
         """Expert parallel: keep only this rank's expert slots of every MoE layer; phy2log `[layers, slots]`."""
