@@ -62,19 +62,21 @@ def run_chunked(model, state_dtype: str, lengths=LENGTHS, chunk: int = CHUNK) ->
 #                      bf16 yardstick        fp8                   fp8-fp4
 #   tiny (fp32)        0.042 (2.22) 91.4 %   0.026 (1.96) 94.7 %   0.046 (1.99) 90.7 %
 #   published FP8+FP4  0.031 (2.09) 92.7 %   0.028 (1.84) 95.1 %   0.045 (2.14) 90.9 %
-#   tiny V4.1          0.124 (3.56) 74.9 %   0.106 (3.24) 80.1 %   0.176 (3.24) 66.6 %
+#   tiny V4.1          0.097 (2.57) 80.8 %   0.101 (3.24) 80.6 %   0.176 (3.36) 67.3 %
 #
 # and "fp4" (FP4 entries too, one-byte scales: DeepSeek-V4.1's format): tiny 0.076 (3.08) 85.3 %, tiny V4.1
-# 0.204 (3.36) 62.6 %. The tiny V4.1 picks 6 of dozens of entries with two index heads, so a rounded key often
-# changes the choice (its bf16 run too: 74.9 %).
+# 0.201 (3.03) 64.6 %. The tiny V4.1 picks 6 of dozens of entries with two index heads, so a rounded key often
+# changes the choice, while its bf16 run scores experts in fp32 as the checkpoint asks and so errs less than
+# V4's: its state errs by more than its yardstick.
 # Bounds: fp8 within the yardstick's mean, fp8-fp4 (keys rounded 16× coarser) within 1.6× it, fp4 within 2×;
 # maxima within 1.25× the yardstick's (fp4: 1.5×); greedy choices kept a few points under what was observed.
+# The tiny V4.1 within 1.25×, 2.2× and 2.5× the mean and 1.5× the maximum.
 BOUNDS = {  # (checkpoint, state_dtype): (mean, max bound × the yardstick's, least share of greedy choices kept)
     ("tiny_checkpoint", "fp8"): (1.0, 1.25, 0.92), ("tiny_checkpoint", "fp8-fp4"): (1.6, 1.25, 0.88),
     ("tiny_checkpoint", "fp4"): (2.0, 1.5, 0.82),
     ("published_fp4", "fp8"): (1.0, 1.25, 0.92), ("published_fp4", "fp8-fp4"): (1.6, 1.25, 0.88),
-    ("v41_checkpoint", "fp8"): (1.0, 1.25, 0.75), ("v41_checkpoint", "fp8-fp4"): (1.6, 1.25, 0.6),
-    ("v41_checkpoint", "fp4"): (2.0, 1.5, 0.55),
+    ("v41_checkpoint", "fp8"): (1.25, 1.5, 0.75), ("v41_checkpoint", "fp8-fp4"): (2.2, 1.5, 0.6),
+    ("v41_checkpoint", "fp4"): (2.5, 1.5, 0.55),
 }
 
 
