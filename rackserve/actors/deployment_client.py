@@ -212,7 +212,9 @@ class DeploymentClient:
         route.held = self._held_text(route)
         route.offset, route.replays = len(route.tokens), route.replays + 1  # a new engine id
         self.replayed += 1
-        params, ids = replace(route.params, max_tokens=left), route.ids + route.tokens
+        # the tokens streamed become prompt: what they owed min_tokens is paid
+        params = replace(route.params, max_tokens=left, min_tokens=max(0, route.params.min_tokens - len(route.tokens)))
+        ids = route.ids + route.tokens
         deadline = time.monotonic() + REPLAY_S
         while True:
             try:

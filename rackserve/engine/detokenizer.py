@@ -36,12 +36,16 @@ class IncrementalDetokenizer:
 
     `text` is the complete output so far (truncated before the stop string once `stopped`); it
     includes text held back for a possible stop string but not an incomplete UTF-8 character.
+    Stop strings are looked for only in the text after the first `min_tokens` tokens' (as vLLM does).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens
+        self._count = 0  # tokens added
+        self._floor = 0  # stop strings may start here or later: the text of the first min_tokens tokens ends here
         self.skip_special_tokens = skip_special_tokens
         self.stopped = False
         self.stop_reason: str | None = None
@@ -70,6 +74,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.extend(token_ids)
+        self._count += len(token_ids)
         window = self._decode(self._ids[self._prefix:])
         if window.endswith(_REPLACEMENT):
             return ""
@@ -95,6 +100,8 @@ class IncrementalDetokenizer:
         """Append final text `new`, apply stop strings and return what may be streamed now."""
         start = len(self._text)
         self._text += new
+        if self._count <= self.min_tokens:
+            self._floor = len(self._text)
         hit = self._first_stop(start)
         if hit is not None:
             index, s = hit
@@ -102,7 +109,8 @@ class IncrementalDetokenizer:
             self.stopped, self.stop_reason = True, s
             end = len(self._text)
         else:
-            end = len(self._text) - (0 if final else _partial_stop_len(self._text, self.stop))
+            held = 0 if final else _partial_stop_len(self._text[self._floor:], self.stop)
+            end = len(self._text) - held
         delta = self._text[self._sent:end]
         self._sent = end
         return delta
@@ -115,7 +123,7 @@ class IncrementalDetokenizer:
         """
         best = None
         for s in self.stop:
-            index = self._text.find(s, max(0, start - len(s) + 1))
+            index = self._text.find(s, max(self._floor, start - len(s) + 1))
             if index >= 0:
                 key = (index + len(s), index)
                 if best is None or key < best[0]:

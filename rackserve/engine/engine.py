@@ -16,6 +16,7 @@ from rackserve.engine.forward_thread import ForwardThread
 from rackserve.engine.graphs import DecodeGraphs
 from rackserve.engine.gang import ExpertBalancer, Gang, sync
 from rackserve.engine.kv_port import KVPort
+from rackserve.engine.penalties import bad_word_ids
 from rackserve.engine.request import Request, RequestOutput
 from rackserve.engine.runner import Runner, StepInFlight, plan_passes
 from rackserve.engine.sampling import SamplingParams
@@ -148,13 +149,22 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids with a token-only model")
+        if params.bad_words and self.tokenizer is None:
+            raise RequestError("bad_words need a tokenizer; use logit_bias of -100 with a token-only model")
+        for name, given in (("logit_bias", [t for t, _ in params.logit_bias]),
+                            ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(t >= vocab for t in given):
+                raise RequestError(f"{name} has token id {max(given)}, past this model's vocabulary of {vocab} "
+                                   f"ids; use ids in [0, {vocab})")
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
-                                           skip_special_tokens=params.skip_special_tokens)
+                                           skip_special_tokens=params.skip_special_tokens,
+                                           min_tokens=params.min_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         return Request(request_id or f"req-{next(self._ids)}", ids, params, seed, arrival=next(self._ids),
-                       eos_ids=self.eos_ids, detokenizer=detok)
+                       eos_ids=self.eos_ids, bad_words_ids=words, detokenizer=detok)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its state; False if it is not in the engine."""

@@ -35,6 +35,7 @@ class Request:
     seed: int  # the effective RNG seed (drawn by the engine when params.seed is None)
     arrival: int  # admission order, for fairness
     eos_ids: tuple[int, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (penalties.bad_word_ids)
     detokenizer: IncrementalDetokenizer | None = None
     token_ids: list[int] = field(init=False)  # prompt + output so far
     num_computed: int = 0  # tokens whose state is in the cache, or will be once the scheduled steps ran

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rackserve.engine.graphs import DecodeGraphs
+from rackserve.engine.penalties import ChunkRows, TokenHistory, build_adjustments
 from rackserve.engine.request import TokenLogprobs
 from rackserve.engine.sampling import SampleOutput, SamplingBatch, sample
 from rackserve.engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
@@ -120,6 +121,8 @@ class Runner:
         self.dummy: CacheHandle | None = None
         self.lockstep = False  # one DP rank of a gang: every pass runs the same forwards as the peers'
         self.graphs: DecodeGraphs | None = None  # decode passes on fixed shapes (EngineConfig.compile)
+        # penalised requests' token counts, on the device once one samples
+        self.history = TokenHistory(cache.state.num_slots, model.config.vocab_size, self.device)
 
     def draft_forwards(self, out: SchedulerOutput) -> int:
         """The draft forwards `execute(out)` runs after its passes: the speculator's when some
@@ -215,13 +218,19 @@ class Runner:
         finishing = [i for i, (c, ids) in enumerate(part)
                      if c.samples and c.request.handle.num_tokens + len(ids) - num_drafts[i] == c.start + c.num_tokens]
         first_row = [0, *itertools.accumulate(1 + n for n in num_drafts)]
-        sampling = self._sampling([part[i][0] for i in finishing], [first_row[i] for i in finishing])
         fill = None
         pending = [] if previous is None else [  # only a step built while another is in flight has any
             (offset + j, previous.index[id(c.request)]) for (c, ids), offset in
             zip(part, itertools.accumulate([0, *lens])) for j, t in enumerate(ids) if t == PENDING]
         if pending:
             fill = tuple(torch.tensor(x, device=self.device) for x in zip(*pending))
+        # per finishing chunk, the positions of its pending tokens -> their rows in the input ids
+        offsets = list(itertools.accumulate([0, *lens]))
+        pending_at = {i: {c.start + c.num_tokens + len(c.draft_ids) - len(ids) + j: offsets[i] + j
+                          for j, t in enumerate(ids) if t == PENDING}
+                      for i, (c, ids) in enumerate(part) if i in finishing}
+        sampling = self._sampling([part[i][0] for i in finishing], [first_row[i] for i in finishing],
+                                  [pending_at[i] for i in finishing], batch.input_ids)
         forward = _Forward(part, requests, num_drafts, shape, batch, lens, rows, speculative, finishing, sampling, fill)
         if self.drafter is None:
             for chunk, ids in part:
@@ -249,6 +258,8 @@ class Runner:
         s = forward.sampling
         if s is not None:
             with phase("sampling"):
+                if s.batch.adjust is not None:
+                    s.batch.adjust.prepare()
                 forward.result = sample(logits[s.rows], s.batch, s.drafts)
         for src, dst in forward.copies:
             self.cache.state.copy_slot(src, dst)
@@ -314,9 +325,11 @@ class Runner:
             raise RuntimeError("dummy forwards need a scratch request: set Runner.dummy (Engine does in a gang)")
         return self.dummy
 
-    def _sampling(self, chunks: list[ScheduledChunk], first_rows: list[int]) -> _Sampling | None:
+    def _sampling(self, chunks: list[ScheduledChunk], first_rows: list[int], pending: list[dict[int, int]],
+                  input_ids: torch.Tensor) -> _Sampling | None:
         """The inputs of sampling each chunk's next token from its logits row `first_rows[i] + len(drafts)`,
-        after verifying its drafts on rows `first_rows[i] …`; None when no chunk samples."""
+        after verifying its drafts on rows `first_rows[i] …`; None when no chunk samples. `pending[i]`:
+        chunk i's positions whose tokens are not known yet -> their rows in the forward's `input_ids`."""
         if not chunks:
             return None
         reqs = [c.request for c in chunks]
@@ -326,8 +339,12 @@ class Runner:
         # outputs before each row's token: the request's tokens so far, its pending ones included,
         # but for the one this row samples
         counters = [r.num_known - 1 - r.num_prompt + i for r, n in zip(reqs, counts) for i in range(n)]
+        firsts = itertools.accumulate([0, *counts])
+        adjust = build_adjustments([ChunkRows(c.request, c.request.handle.slot, c.start + c.num_tokens, c.draft_ids,
+                                              first, at) for c, first, at in zip(chunks, firsts, pending)],
+                                   len(rows), input_ids, self.history)
         batch = SamplingBatch.build(params, [r.seed for r, n in zip(reqs, counts) for _ in range(n)], counters,
-                                    self.device)
+                                    self.device, adjust)
         drafts = None
         if any(c.draft_ids for c in chunks):
             drafts = torch.tensor([t for c in chunks for t in [*c.draft_ids, -1]], device=self.device)

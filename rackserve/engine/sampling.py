@@ -14,7 +14,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from rackserve.engine.penalties import LogitAdjustments
+
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: ±100 bans or forces a token
+MAX_REPETITION_PENALTY = 100.0  # far past any useful value (HF suggests ~1.2), bounded to catch typos
 _MAX_SEED = 2**63  # seeds are stored in int64
 
 
@@ -38,13 +42,44 @@ def _as_tuple(name: str, value: object, item_type: type) -> tuple:
     return tuple(value)
 
 
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (token id, bias) pairs, from a dict (JSON object keys are strings of ids)
+    or a sequence of pairs; ids ≥ 0 (the engine checks them against the vocabulary), |bias| ≤ 100."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        items = list(value)
+    else:
+        raise ValueError(f"logit_bias={value!r} must map token ids to biases, e.g. {{\"50256\": -100}}")
+    pairs = {}
+    for key, bias in items:
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise ValueError(f"logit_bias key {key!r} is not a token id; use ids ≥ 0 as keys")
+        _check_number(f"logit_bias[{key}]", bias)
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{key}]={bias} is out of range; use -100 ≤ bias ≤ 100")
+        pairs[key] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. `temperature=0` is greedy; `top_k` of 0 or -1 disables top-k.
 
     `stop` strings end the output right before the first one that appears; `stop_token_ids` end it
     after that token. `logprobs=n` returns the chosen token's log-probability and the n most likely
-    alternatives (from the model's distribution, before temperature and filters).
+    alternatives (from the model's distribution, before penalties, temperature and filters).
+
+    What changes the logits before temperature and filters (`rackserve.engine.penalties`), in this
+    order: `allowed_token_ids` (only these may be sampled), `bad_words` (never completed: a word's
+    last token is banned where the output so far ends with the rest of it), `min_tokens` (EOS and
+    `stop_token_ids` banned, stop strings not looked for, until that many tokens came out),
+    `logit_bias` (token id → added to its logit, as OpenAI's), then vLLM's order of penalties:
+    `repetition_penalty` (HF's: logits of tokens seen in prompt or output divided by it where positive,
+    multiplied where negative), `frequency_penalty` (minus it × the token's count in the output) and
+    `presence_penalty` (minus it once the token is in the output), OpenAI's definitions.
     """
 
     temperature: float = 1.0
@@ -58,12 +93,19 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id; a dict is taken too
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             _check_number(name, getattr(self, name))
             object.__setattr__(self, name, float(getattr(self, name)))
-        for name in ("top_k", "max_tokens"):
+        for name in ("top_k", "max_tokens", "min_tokens"):
             _check_number(name, getattr(self, name), integer=True)
         # No upper bound on temperature: sample() subtracts the row max before dividing, so any
         # finite value works (a large one is simply close to uniform).
@@ -91,6 +133,25 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:  # also rejects NaN
+                raise ValueError(f"{name}={getattr(self, name)} is out of range; use -2 ≤ {name} ≤ 2 (0 is off)")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} is out of range; use 0 < "
+                             f"repetition_penalty ≤ {MAX_REPETITION_PENALTY} (1 is off, above 1 discourages repeats)")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is out of range; use 0 ≤ min_tokens ≤ max_tokens "
+                             f"({self.max_tokens})")
+        object.__setattr__(self, "bad_words", _as_tuple("bad_words", self.bad_words, str))
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words={list(self.bad_words)!r} contains an empty word; remove it")
+        if self.allowed_token_ids is not None:
+            allowed = _as_tuple("allowed_token_ids", self.allowed_token_ids, int)
+            if not allowed or min(allowed) < 0:
+                raise ValueError(f"allowed_token_ids={list(allowed)} must list at least one id, all ≥ 0; "
+                                 "send null to allow every token")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         if self.logprobs is not None:
             _check_number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -100,6 +161,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the request's history (counts of its tokens so far)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes this request's logits before temperature and filters."""
+        return bool(self.penalized or self.logit_bias or self.min_tokens or self.bad_words
+                    or self.allowed_token_ids is not None)
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
@@ -117,7 +189,8 @@ class SamplingBatch:
 
     temperature [R] f32 (0 = greedy), top_k [R] int64 (0 = off), top_p [R] f32, min_p [R] f32,
     seed [R] int64, counter [R] int64 (index of the token being sampled within its request),
-    max_logprobs: the largest `logprobs` over rows, or -1 when no row wants log-probabilities.
+    max_logprobs: the largest `logprobs` over rows, or -1 when no row wants log-probabilities;
+    adjust: what penalties, biases and bans do to the rows' logits first (None: nothing).
     """
 
     temperature: torch.Tensor
@@ -127,10 +200,11 @@ class SamplingBatch:
     seed: torch.Tensor
     counter: torch.Tensor
     max_logprobs: int
+    adjust: LogitAdjustments | None = None
 
     @classmethod
     def build(cls, params_list: list[SamplingParams], seeds: list[int], counters: list[int],
-              device: torch.device | str = "cpu") -> SamplingBatch:
+              device: torch.device | str = "cpu", adjust: LogitAdjustments | None = None) -> SamplingBatch:
         """Pack one step's rows. `seeds` are effective seeds (the engine picks one for unseeded requests)."""
         if not len(params_list) == len(seeds) == len(counters):
             raise ValueError(f"build got {len(params_list)} params, {len(seeds)} seeds and {len(counters)} counters; "
@@ -148,6 +222,7 @@ class SamplingBatch:
             seed=tensor(seeds, torch.int64),
             counter=tensor(counters, torch.int64),
             max_logprobs=max(wanted, default=-1),
+            adjust=adjust,
         )
 
 
@@ -230,10 +305,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, drafts: torch.Tensor | No
     rule min(1, p/q) for a one-hot q), and otherwise draws from p with x removed, renormalised:
     either way the token is distributed as p. Acceptance compares the row's uniform of token x
     with p(x), and the redraw's Gumbel noise uses the other tokens' uniforms only, so the two are
-    independent and the row stays a pure function of (seed, counter).
+    independent and the row stays a pure function of (seed, counter). Penalties, biases and bans
+    (`batch.adjust`) change the logits that greedy rows take the argmax of and sampling rows sample
+    from, so verification stays exact under them; logprobs stay the model's.
     """
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1)
+    if batch.adjust is not None:
+        logits = batch.adjust.apply(logits)
     token_ids = logits.argmax(dim=-1)
     accepted = None if drafts is None else token_ids == drafts
     # only rows that sample pay for the sort, the filters and the [rows, V] noise

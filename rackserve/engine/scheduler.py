@@ -236,7 +236,8 @@ class Scheduler:
                 return RequestOutput(req.request_id, [token], "", True, "pushed", num_prompt_tokens=req.num_prompt,
                                      num_cached_tokens=req.num_cached, num_output_tokens=1)
             is_eos = token in req.eos_ids and not params.ignore_eos
-            if token in params.stop_token_ids or is_eos:
+            # before min_tokens the sampler bans these; a model that can sample nothing else still may not stop
+            if (token in params.stop_token_ids or is_eos) and len(req.token_ids) - req.num_prompt > params.min_tokens:
                 reason = "stop"
             elif req.detokenizer is not None:
                 text += req.detokenizer.add([token])
