@@ -144,3 +144,16 @@ def test_stop_strings_in_the_prompt_do_not_count(tok):
     prompt = tok.encode("Say fox", add_bos=True)
     detok, emitted, tail = stop_case(tok, prompt, "x marks the spot", ("fox",))
     assert not detok.stopped and emitted + tail == "x marks the spot"
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    ids = tok.encode("ab ab ab", add_bos=False)
+    early = IncrementalDetokenizer(tok, [0], stop=("ab",))
+    assert early.add(ids) == "" and early.stopped
+    # stop strings are looked for only in the text after the first min_tokens tokens'
+    late = IncrementalDetokenizer(tok, [0], stop=("ab",), min_tokens=len(ids) - 1)
+    head = tok.decode(ids[:-1])
+    assert "".join(late.add([t]) for t in ids[:-1]) == head and not late.stopped
+    tail = tok.decode(ids)[len(head):]
+    late.add(ids[-1:])
+    assert late.stopped == ("ab" in tail) and late.text == head + tail.split("ab")[0]

@@ -23,6 +23,7 @@ from rackserve.serve.protocol import (
     parse_chat,
     parse_completion,
     parse_json,
+    session_of,
 )
 from rackserve.serve.responses import (
     SSE_DONE,
@@ -163,19 +164,160 @@ def test_at_most_four_stop_strings():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("frequency_penalty", 0.5), ("presence_penalty", -1), ("logit_bias", {"42": 100}), ("best_of", 3),
-    ("suffix", "end"), ("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"}),
+    ("best_of", 3), ("suffix", "end"), ("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"}),
+    ("use_beam_search", True), ("store", True), ("metadata", {"k": "v"}), ("priority", 1),
 ])
 def test_unsupported_fields_are_refused_unless_default(field, value):
     for err in (bad_completion(**{field: value}), bad_chat(**{field: value})):
         assert_400(err, field, field, "not supported")
 
 
-def test_default_valued_and_unknown_fields_are_ignored():
-    req = completion(frequency_penalty=0, presence_penalty=0.0, logit_bias={}, best_of=1, user="u-1",
-                     metadata={"k": "v"}, temperature=None, top_p=None)
+def test_default_valued_fields_are_taken_and_unknown_ones_refused():
+    req = completion(best_of=1, user="u-1", metadata={}, store=False, temperature=None, top_p=None,
+                     use_beam_search=False, add_special_tokens=True)
     assert req.base_params == SamplingParams()
-    assert chat(tools=[], response_format={"type": "text"}, tool_choice="none").base_params == SamplingParams()
+    assert chat(tools=[], response_format={"type": "text"}, tool_choice="none", n=1).base_params == SamplingParams()
+    for err in (bad_completion(temperture=0.5), bad_chat(temperture=0.5)):
+        assert_400(err, "temperture", "unknown field 'temperture'", "check its spelling")
+    # JSON true is not the integer 1, nor 1.0 the boolean
+    assert_400(bad_completion(best_of=True), "best_of", "not supported")
+
+
+def test_penalties_biases_and_bans_are_parsed():
+    fields = dict(frequency_penalty=0.5, presence_penalty=-1, repetition_penalty=1.2, logit_bias={"42": 100, "7": -3},
+                  min_tokens=30, bad_words=["rack"], allowed_token_ids=[1, 2, 3])
+    for req in (completion(**fields), chat(**fields)):
+        p = req.base_params
+        assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2)
+        assert p.logit_bias == ((7, -3.0), (42, 100.0)) and p.min_tokens == 30
+        assert p.bad_words == ("rack",) and p.allowed_token_ids == (1, 2, 3)
+    assert completion(min_tokens=30, max_tokens=40).sampling(3, 100).min_tokens == 30
+    assert_400(refused_sampling(completion(min_tokens=30, max_tokens=20), 3, 100), "min_tokens", "more than the 20")
+    assert_400(refused_sampling(chat(min_tokens=30), 80, 100), "min_tokens", "context left")
+    assert_400(refused_sampling(chat(logit_bias={"999": 1}), 3, 100, 512), "logit_bias", "token id 999",
+               "vocabulary of 512")
+    assert_400(bad_chat(logit_bias={"x": 1}), "logit_bias", "not a token id")
+    assert_400(bad_chat(logit_bias=[1]), "logit_bias", "must be an object")
+    assert_400(bad_chat(bad_words=[1]), "bad_words", "array of strings")
+
+
+def refused_sampling(req, prompt_tokens, max_model_len, vocab_size=None) -> APIError:
+    with pytest.raises(APIError) as info:
+        req.sampling(prompt_tokens, max_model_len, vocab_size)
+    return info.value
+
+
+# every request field of OpenAI's client and vLLM 0.32's protocol, with a value that asks for something
+OPENAI_CHAT = [
+    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs", "max_completion_tokens",
+    "max_tokens", "messages", "metadata", "modalities", "model", "moderation", "n", "parallel_tool_calls",
+    "prediction", "presence_penalty", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+    "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier", "stop", "store", "stream",
+    "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+    "web_search_options"]
+OPENAI_COMPLETIONS = [
+    "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "model", "n", "presence_penalty",
+    "prompt", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user"]
+VLLM_COMMON = [
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "watermarking", "length_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "truncation_side", "allowed_token_ids", "prompt_logprobs", "logprob_token_ids",
+    "bad_words", "add_special_tokens", "response_format", "structured_outputs", "priority", "request_id",
+    "session_id", "return_tokens_as_token_ids", "return_token_ids", "routed_experts_prompt_start",
+    "return_token_offsets", "mm_payload", "return_mm_kwargs", "cache_salt", "kv_transfer_params",
+    "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget", "stream_interval"]
+VLLM_COMPLETIONS = [*VLLM_COMMON, "prompt_embeds"]
+VLLM_CHAT = [*VLLM_COMMON, "tools", "tool_choice", "reasoning_effort", "include_reasoning", "parallel_tool_calls",
+             "echo", "add_generation_prompt", "continue_final_message", "documents", "chat_template",
+             "chat_template_kwargs", "media_io_kwargs", "mm_processor_kwargs", "return_prompt_text"]
+HONOURED = {  # field -> (a value asking for something, what the parsed request then says)
+    "frequency_penalty": (0.5, lambda r: r.base_params.frequency_penalty == 0.5),
+    "presence_penalty": (0.5, lambda r: r.base_params.presence_penalty == 0.5),
+    "repetition_penalty": (1.3, lambda r: r.base_params.repetition_penalty == 1.3),
+    "logit_bias": ({"5": 2}, lambda r: r.base_params.logit_bias == ((5, 2.0),)),
+    "logprobs": (2, lambda r: r.base_params.logprobs == 2),
+    "max_tokens": (7, lambda r: r.max_tokens == 7),
+    "max_completion_tokens": (7, lambda r: r.max_tokens == 7),
+    "seed": (9, lambda r: r.base_params.seed == 9),
+    "stop": (["x"], lambda r: r.base_params.stop == ("x",)),
+    "stream": (True, lambda r: r.stream),
+    "stream_options": ({"include_usage": True}, lambda r: r.include_usage),  # sent with stream: true
+    "temperature": (0.5, lambda r: r.base_params.temperature == 0.5),
+    "top_p": (0.5, lambda r: r.base_params.top_p == 0.5),
+    "top_k": (5, lambda r: r.base_params.top_k == 5),
+    "min_p": (0.1, lambda r: r.base_params.min_p == 0.1),
+    "stop_token_ids": ([3], lambda r: r.base_params.stop_token_ids == (3,)),
+    "ignore_eos": (True, lambda r: r.base_params.ignore_eos),
+    "min_tokens": (3, lambda r: r.base_params.min_tokens == 3),
+    "skip_special_tokens": (False, lambda r: not r.base_params.skip_special_tokens),
+    "allowed_token_ids": ([4, 5], lambda r: r.base_params.allowed_token_ids == (4, 5)),
+    "bad_words": (["rack"], lambda r: r.base_params.bad_words == ("rack",)),
+    "echo": (True, lambda r: r.echo),
+}
+REQUIRED = {"model", "prompt", "messages"}
+ASKING = {  # refused fields: a value that asks for something this server does not do
+    "best_of": 2, "suffix": "!", "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+    "functions": [{"name": "f"}], "function_call": "auto", "response_format": {"type": "json_object"},
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
+    "reasoning_effort": "high", "verbosity": "low", "web_search_options": {}, "store": True,
+    "metadata": {"k": "v"}, "service_tier": "flex", "safety_identifier": "u", "moderation": {"type": "x"},
+    "prompt_cache_retention": "24h", "prompt_cache_options": {"x": 1}, "use_beam_search": True,
+    "length_penalty": 0.5, "watermarking": {"x": 1}, "include_stop_str_in_output": True,
+    "spaces_between_special_tokens": False, "truncate_prompt_tokens": 10, "truncation_side": "left",
+    "prompt_logprobs": 1, "logprob_token_ids": [1], "prompt_embeds": "AAAA", "add_generation_prompt": False,
+    "continue_final_message": True, "documents": [{"text": "x"}], "chat_template": "{{ x }}",
+    "chat_template_kwargs": {"thinking": True}, "media_io_kwargs": {"x": 1}, "mm_processor_kwargs": {"x": 1},
+    "mm_payload": {"x": 1}, "return_mm_kwargs": True, "structured_outputs": {"json": {"type": "object"}},
+    "priority": 3, "request_id": "r", "session_id": "s", "return_tokens_as_token_ids": True,
+    "return_token_ids": True, "return_token_offsets": True, "return_prompt_text": True,
+    "routed_experts_prompt_start": 0, "cache_salt": "s", "kv_transfer_params": {"x": 1},
+    "ec_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "repetition_detection": {"x": 1},
+    "thinking_token_budget": 10, "include_reasoning": False, "stream_interval": 4, "n": 2,
+}
+
+
+def test_openai_client_fields_are_all_listed():
+    """The installed client's request fields are the ones below: a new one fails here until it is classified."""
+    import typing
+
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    def listed(params) -> set[str]:  # `stream` is declared by the streaming and non-streaming subclasses
+        return {*typing.get_type_hints(params), "stream"}
+
+    assert listed(completion_create_params.CompletionCreateParamsBase) <= set(OPENAI_COMPLETIONS)
+    assert listed(chat_create_params.CompletionCreateParamsBase) <= set(OPENAI_CHAT)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_field_of_openai_s_and_vllm_s_schemas_is_honoured_or_refused(endpoint):
+    names = sorted({*OPENAI_COMPLETIONS, *VLLM_COMPLETIONS} if endpoint == "completions"
+                   else {*OPENAI_CHAT, *VLLM_CHAT})
+    parse, bad = (completion, bad_completion) if endpoint == "completions" else (chat, bad_chat)
+    plain = parse()
+    for name in names:
+        if name in REQUIRED:
+            continue
+        if name in ("user", "prompt_cache_key"):  # honoured as the routing session
+            assert session_of({name: "s-1"}, {}) == "s-1"
+            assert parse(**{name: "s-1"}) == plain
+        elif name in HONOURED and not (endpoint == "chat" and name == "echo"):
+            value, check = HONOURED[name]
+            if endpoint == "chat" and name == "logprobs":
+                value, check = True, lambda r: r.logprobs
+            req = parse(**{name: value, **({"stream": True} if name == "stream_options" else {})})
+            assert req != plain and check(req), name
+        elif name == "top_logprobs":
+            assert parse(logprobs=True, top_logprobs=3).top_logprobs == 3
+        elif name == "parallel_tool_calls":  # says how tools are called, and tools are refused
+            assert parse(parallel_tool_calls=False) == plain
+            assert_400(bad(parallel_tool_calls=False, tools=[{"type": "function"}]), "tools", "not supported")
+        else:
+            asking = {**ASKING, "add_special_tokens": endpoint == "chat", "echo": True}  # the defaults differ
+            assert name in asking, f"{name}: a field of no list"
+            err = bad(**{name: asking[name]})
+            assert err.status == 400 and err.param == name and name in err.message, (name, err.message)
 
 
 # --- prompts and messages -----------------------------------------------------------------------------------------
@@ -282,8 +424,10 @@ def test_extensions_and_defaults():
     assert req.echo and req.max_tokens == 16
     assert req.base_params == SamplingParams(top_k=5, min_p=0.1, stop_token_ids=(1, 2), ignore_eos=True,
                                              skip_special_tokens=False, stop=("END",))
-    # include_usage only matters when streaming: whole responses always carry usage
-    assert completion(stream=False, stream_options={"include_usage": True}).include_usage is False
+    # stream options only with a stream, as OpenAI and vLLM take them (whole responses always carry usage)
+    assert_400(bad_completion(stream=False, stream_options={"include_usage": True}), "stream_options",
+               "only allowed with stream: true")
+    assert_400(bad_chat(stream=True, stream_options={"chunk_size": 2}), "stream_options", "chunk_size")
     assert chat().max_tokens is None and chat().base_params.temperature == 1.0
 
 

@@ -77,6 +77,27 @@ def test_the_openai_client_gets_the_python_apis_text(client, tiny_checkpoint):
 
 
 @pytest.mark.slow
+def test_penalties_biases_and_bans_over_http_are_the_python_apis(client, tiny_checkpoint):
+    """Through P/D (the prefill rank samples the first token under the same rules): OpenAI's penalties and
+    logit_bias, vLLM's repetition_penalty, min_tokens and bad_words, greedy and seeded, give the engine's text."""
+    fields = dict(frequency_penalty=0.8, presence_penalty=0.4, logit_bias={"17": 6.0, "3": -100})
+    extra = dict(repetition_penalty=1.4, min_tokens=10, bad_words=["rack"], ignore_eos=True)
+    llm = LLM(tiny_checkpoint)
+    for sampling in (dict(temperature=0), dict(temperature=0.9, seed=7)):
+        [want] = llm.generate([PROMPT], SamplingParams(max_tokens=14, **sampling, **fields, **extra))
+        done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=14, **sampling, **fields,
+                                         extra_body=extra)
+        assert done.choices[0].text == want.text, sampling
+        chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=14, stream=True, **sampling,
+                                           **fields, extra_body=extra)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text, sampling
+    with pytest.raises(openai.BadRequestError, match="logit_bias has token id 99999"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, logit_bias={"99999": 1})
+    with pytest.raises(openai.BadRequestError, match="unknown field 'temprature'"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body={"temprature": 0})
+
+
+@pytest.mark.slow
 def test_the_replica_serves_directly_too(server, ray_cluster, tiny_checkpoint):
     """The session's cluster is started for direct ingress: the same replica answers on its own port,
     with the same text and the same API key check, without Serve's proxy in the way."""

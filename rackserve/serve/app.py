@@ -195,7 +195,7 @@ class OpenAIServer:
             req = (api.parse_chat if chat else api.parse_completion)(body, [self.config.model_name])
             ids = self._prompt_ids(req, chat)
             session = api.session_of(body, request.headers)
-            params = req.sampling(len(ids), self.max_model_len)
+            params = req.sampling(len(ids), self.max_model_len, self.vocab_size)
             if self.draining:  # checked where the count goes up, with no await between: see `_report_loop`
                 raise api.APIError(503, "the server is shutting down and takes no new requests; retry against "
                                         "another replica or later", "server_error", code=DRAINING)

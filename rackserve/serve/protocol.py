@@ -4,11 +4,12 @@ Request bodies of `/v1/completions` and `/v1/chat/completions` come in as bytes 
 errors leave as `APIError`; response bodies and stream chunks are built by `rackserve.serve.responses`.
 
 Parsing checks every field it uses (JSON type, then range) and raises `APIError` naming the field, so one
-error response tells a client what to fix. Fields that would change the output in ways this engine does not
-implement (penalties, logit_bias, tools, …) are refused unless they ask for the default; other fields this
-server does not use (`metadata`, …) are ignored, as OpenAI-compatible servers do. A field sent as JSON
-null counts as absent. `user` (or an `X-Session-Id` header, which wins) names the session a request belongs
-to: requests of one session are routed to the same ranks, where its history is cached (`session_of`).
+error response tells a client what to fix. No field is accepted and ignored (`rackserve.serve.fields`):
+fields that would change the output in ways this engine does not implement (tools, beam search, …) are
+refused unless they ask for the default, and fields in no schema are refused as unknown. A field sent as
+JSON null counts as absent. An `X-Session-Id` header, else `prompt_cache_key`, else `user` names the
+session a request belongs to: requests of one session are routed to the same ranks, where its history is
+cached (`session_of`).
 
 `max_tokens` is resolved late: chat without a cap may use every position the context leaves after the
 prompt, which is only known once the messages are rendered and tokenized. So requests keep `max_tokens`
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from rackserve.engine.sampling import MAX_LOGPROBS, SamplingParams
+from rackserve.serve import fields
 
 # 1 MiB of text is a few hundred thousand tokens, room for long prompts, while it bounds the memory and
 # parse time one request can cost before it is validated. The app should stop reading a body past this.
@@ -33,12 +35,6 @@ MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI's legacy API allows
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "user", "assistant")
-# Fields that change the output in ways the engine does not implement, with the one value that asks for
-# nothing: ignoring any other value would silently return something the client did not ask for.
-_UNSUPPORTED: dict[str, Any] = {
-    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "best_of": 1, "suffix": "", "tools": [],
-    "response_format": {"type": "text"},
-}
 
 
 class APIError(Exception):
@@ -148,12 +144,22 @@ def _model(body: dict, served_models: list[str]) -> str:
     return model
 
 
-def _refuse_unsupported(body: dict) -> None:
-    for name, default in _UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value != default:
-            raise _invalid(f"{name}={_show(value)} is not supported by this server; remove it or send "
-                           f"{_show(default)}", name)
+def _check_fields(body: dict, endpoint: str) -> None:
+    """Every field of `body` is honoured, or asks for what this server does anyway; else a 400 naming it."""
+    honoured = fields.HONOURED[endpoint]
+    refused = fields.CHAT_REFUSED if endpoint == "chat" else fields.REFUSED
+    for name, value in body.items():
+        if value is None or name in honoured:
+            continue
+        if name in refused:
+            allowed, why = refused[name]
+            # == would take true for 1 and 1.0 for 1: a JSON type must match too
+            if not any(value == a and type(value) is type(a) for a in allowed):
+                fix = f"remove it or send {' or '.join(_show(a) for a in allowed)}" if allowed else "remove it"
+                raise _invalid(f"{name}={_show(value)} is not supported by this server ({why}); {fix}", name)
+            continue
+        raise _invalid(f"unknown field {name!r}; this server takes the fields of OpenAI's and vLLM's {endpoint} "
+                       "requests (see rackserve.serve.fields); check its spelling", name)
 
 
 def _n(body: dict) -> None:
@@ -166,6 +172,12 @@ def _stream(body: dict) -> tuple[bool, bool]:
     """(stream, include_usage); usage is only a separate chunk when streaming (responses always carry it)."""
     stream = bool(_get(body, "stream", _BOOLEAN))
     options = _get(body, "stream_options", _OBJECT) or {}
+    if options and not stream:  # as OpenAI: its options would have nothing to act on
+        raise _invalid("stream_options is only allowed with stream: true", "stream_options")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise _invalid(f"stream_options.{unknown[0]} is not supported by this server; it takes include_usage",
+                       "stream_options")
     include_usage = _get(options, "include_usage", _BOOLEAN, param="stream_options.include_usage")
     return stream, stream and bool(include_usage)
 
@@ -199,9 +211,21 @@ def _token_ids(body: dict, name: str) -> tuple[int, ...] | None:
     raise _invalid(f"{name} must be an array of integers, not {_json_type(value)} {_show(value)}", name)
 
 
+def _strings(body: dict, name: str) -> tuple[str, ...] | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise _invalid(f"{name} must be a string or an array of strings, not {_json_type(value)} {_show(value)}", name)
+
+
 def _base_params(body: dict, logprobs: int | None) -> SamplingParams:
-    """The body's sampling fields (OpenAI names, plus vLLM's top_k, min_p, stop_token_ids, ignore_eos and
-    skip_special_tokens), all but max_tokens. Each is checked alone first, so a range error names its field."""
+    """The body's sampling fields (OpenAI names, plus vLLM's top_k, min_p, repetition_penalty, min_tokens,
+    bad_words, allowed_token_ids, stop_token_ids, ignore_eos and skip_special_tokens), all but max_tokens,
+    which stands in as at least min_tokens. Each is checked alone first, so a range error names its field."""
     given = {
         "temperature": _get(body, "temperature", _NUMBER),
         "top_p": _get(body, "top_p", _NUMBER),
@@ -213,14 +237,22 @@ def _base_params(body: dict, logprobs: int | None) -> SamplingParams:
         "ignore_eos": _get(body, "ignore_eos", _BOOLEAN),
         "skip_special_tokens": _get(body, "skip_special_tokens", _BOOLEAN),
         "logprobs": logprobs,
+        "presence_penalty": _get(body, "presence_penalty", _NUMBER),
+        "frequency_penalty": _get(body, "frequency_penalty", _NUMBER),
+        "repetition_penalty": _get(body, "repetition_penalty", _NUMBER),
+        "logit_bias": _get(body, "logit_bias", _OBJECT),
+        "min_tokens": _get(body, "min_tokens", _INTEGER),
+        "bad_words": _strings(body, "bad_words"),
+        "allowed_token_ids": _token_ids(body, "allowed_token_ids"),
     }
     given = {name: value for name, value in given.items() if value is not None}
+    floor = max(given.get("min_tokens", 0), 1)
     for name, value in given.items():
         try:
-            SamplingParams(**{name: value})
+            SamplingParams(**{name: value, "max_tokens": max(floor, SamplingParams.max_tokens)})
         except ValueError as e:
             raise _invalid(str(e), name) from None
-    return SamplingParams(**given)
+    return SamplingParams(**given, max_tokens=max(floor, SamplingParams.max_tokens))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,14 +268,27 @@ class _Generation:
     stream: bool
     include_usage: bool  # send a usage chunk before [DONE] (streaming only)
 
-    def sampling(self, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    def sampling(self, prompt_tokens: int, max_model_len: int, vocab_size: int | None = None) -> SamplingParams:
         """The engine's parameters once the prompt is `prompt_tokens` long, for a context of `max_model_len`
-        tokens (prompt + output). APIError 400 if the prompt leaves no room, or max_tokens does not fit."""
+        tokens (prompt + output) and a vocabulary of `vocab_size` ids. APIError 400 if the prompt leaves no
+        room, max_tokens does not fit or is below min_tokens, or a token id is past the vocabulary."""
         room = max_model_len - prompt_tokens
         if room < 1:
             raise _invalid(f"the prompt is {prompt_tokens} tokens and this model's context is {max_model_len} "
                            f"tokens, which leaves no room for output; shorten the {self._PROMPT_PARAM}",
                            self._PROMPT_PARAM)
+        p = self.base_params
+        if vocab_size is not None:
+            for name, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("allowed_token_ids", p.allowed_token_ids),
+                              ("stop_token_ids", p.stop_token_ids)):
+                if ids and max(ids) >= vocab_size:
+                    raise _invalid(f"{name} has token id {max(ids)}, past this model's vocabulary of {vocab_size} "
+                                   f"ids; use ids in [0, {vocab_size})", name)
+        cap = room if self.max_tokens is None else self.max_tokens
+        if cap < p.min_tokens:
+            raise _invalid(f"min_tokens={p.min_tokens} is more than the {cap} tokens this request may generate "
+                           f"({'max_tokens' if self.max_tokens is not None else 'the context left after the prompt'})"
+                           "; lower min_tokens", "min_tokens")
         if self.max_tokens is None:
             return replace(self.base_params, max_tokens=room)
         if self.max_tokens > room:
@@ -297,7 +342,7 @@ def _prompt(value: object) -> str | list[int]:
 def parse_completion(body: dict, served_models: list[str]) -> CompletionRequest:
     """A /v1/completions body as a typed request; APIError (400, or 404 for an unknown model) if it is not one."""
     model = _model(body, served_models)
-    _refuse_unsupported(body)
+    _check_fields(body, "completions")
     _n(body)
     prompt = _prompt(body.get("prompt"))
     stream, include_usage = _stream(body)
@@ -351,7 +396,7 @@ def _message(i: int, message: object) -> dict[str, str]:
 def parse_chat(body: dict, served_models: list[str]) -> ChatRequest:
     """A /v1/chat/completions body as a typed request; APIError (400, or 404 for an unknown model) if not one."""
     model = _model(body, served_models)
-    _refuse_unsupported(body)
+    _check_fields(body, "chat")
     _n(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -381,8 +426,9 @@ def parse_chat(body: dict, served_models: list[str]) -> ChatRequest:
 
 
 def session_of(body: dict, headers) -> str | None:
-    """The routing session of a request: its `X-Session-Id` header, else its `user` field, else None."""
-    session = headers.get("x-session-id") or body.get("user")
+    """The routing session of a request: its `X-Session-Id` header, else its `prompt_cache_key` (OpenAI's
+    name for what shares a cached prefix), else its `user` field, else None."""
+    session = headers.get("x-session-id") or body.get("prompt_cache_key") or body.get("user")
     return session if isinstance(session, str) and session else None
 
 
