@@ -3,8 +3,9 @@ session's cluster, through Serve's proxy with an HTTP client.
 
 One app serves every row of the DEP decode instance (faults one after another: each must leave the
 service as it found it, or the next row shows it); the split instance's expert rank has its own app.
-Each row: no stream hangs, every stream completes with its undisturbed greedy text (replayed where its
-decode gang failed) or, for none here, ends with an error; new requests succeed again; TTFT p50 after
+Each row: no stream hangs, every stream (half greedy, half seeded samples under penalties) completes
+with its undisturbed text (replayed where its decode gang failed: the replay resumes its draws and
+token counts) or, for none here, ends with an error; new requests succeed again; TTFT p50 after
 recovery within 1.5x before (with 50 ms of slack: probes of tens of ms on a shared machine); after
 recovery no push fails and no decode rank recomputes a prefill; the decode state memory in use returns
 to its idle level. An ingress replica's death is `test_serve_scale_out.py`'s, a node's `test_node_loss.py`'s.

@@ -241,3 +241,24 @@ def test_bad_words_and_min_tokens_through_the_engine():
     assert llm.generate([text], SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0].text == ""
     out = llm.generate([text], SamplingParams(temperature=0, max_tokens=24, stop=[stop], min_tokens=3))[0]
     assert len(out.token_ids) >= 3 and out.text.startswith(tok.decode(free.token_ids[:3]))
+
+
+def test_a_resumed_request_goes_on_as_if_it_had_never_stopped():
+    """A replay (its ranks failed) resumes the tokens streamed: seeded draws, penalties, min_tokens and
+    max_tokens go on from there, and only the new text comes out."""
+    text = "import os\n"
+    p = SamplingParams(temperature=0.8, seed=3, max_tokens=20, min_tokens=12, repetition_penalty=1.3,
+                       frequency_penalty=0.6, presence_penalty=0.2)
+    [whole] = LLM("tiny-code").generate([text], p)
+    engine = LLM("tiny-code").engine
+    for k in (1, 7, 15):
+        req = engine.add_request(text, p, request_id=f"resume-{k}", resumed=whole.token_ids[:k])
+        outputs = []
+        while not req.finished:
+            outputs += [o for o in engine.step() if o.request_id == req.request_id]
+        assert req.output_ids == whole.token_ids
+        assert outputs[-1].num_output_tokens == len(whole.token_ids)
+        assert "".join(o.new_text for o in outputs) == whole.text[len(engine.tokenizer.decode(whole.token_ids[:k])):]
+    with pytest.raises(ValueError, match="leave nothing to generate"):
+        engine.add_request(text, p, resumed=whole.token_ids)
+

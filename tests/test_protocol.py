@@ -177,6 +177,7 @@ def test_default_valued_fields_are_taken_and_unknown_ones_refused():
                      use_beam_search=False, add_special_tokens=True)
     assert req.base_params == SamplingParams()
     assert chat(tools=[], response_format={"type": "text"}, tool_choice="none", n=1).base_params == SamplingParams()
+    assert_400(bad_chat(prompt_cache_key=5), "prompt_cache_key", "must be a string")
     for err in (bad_completion(temperture=0.5), bad_chat(temperture=0.5)):
         assert_400(err, "temperture", "unknown field 'temperture'", "check its spelling")
     # JSON true is not the integer 1, nor 1.0 the boolean

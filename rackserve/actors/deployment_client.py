@@ -75,7 +75,6 @@ class _Route:
     tokens: list[int] = field(default_factory=list)
     sent: int = 0  # characters of text streamed
     replays: int = 0  # attempts to replay it so far
-    offset: int = 0  # output tokens generated before the latest replay
     held: str = ""  # text held back at the failure, sent with the replay's first output
 
     @property
@@ -86,9 +85,9 @@ class _Route:
     def renumber(self, out: RequestOutput) -> RequestOutput:
         """An output as the request's own: its id, counts and text as if it had never stopped."""
         if self.replays:
+            # the ranks count the resumed tokens as output; a prefix hit may reach into them
             out = replace(out, request_id=self.request_id, new_text=self.held + out.new_text,
-                          num_prompt_tokens=len(self.ids), num_cached_tokens=min(out.num_cached_tokens, len(self.ids)),
-                          num_output_tokens=out.num_output_tokens + self.offset)
+                          num_cached_tokens=min(out.num_cached_tokens, len(self.ids)))
             self.held = ""
         self.tokens += out.new_token_ids
         self.sent += len(out.new_text)
@@ -168,39 +167,45 @@ class DeploymentClient:
         with self._lock:
             self._routes[request_id] = route
         try:
-            self._place(route, ids, params)
+            self._place(route)
         except BaseException:
             with self._lock:
                 self._routes.pop(request_id, None)
             raise
         return request_id
 
-    def _place(self, route: _Route, ids: list[int], params: SamplingParams) -> None:
-        """Reserve a decode rank for `route`'s request (prompt `ids`) and have a prefill rank push it there."""
+    def _place(self, route: _Route, resumed: list[int] | None = None) -> None:
+        """Reserve a decode rank for `route`'s request and have a prefill rank push it there; `resumed`:
+        the output it generated before (a replay), prefilled with the prompt."""
+        ids, params = route.ids, route.params
+        context = ids + (resumed or [])
         failed = {name for name, client in self.decode.items() if not client.serving}
         with self._lock:
-            decode_at = route.decode = self.router.decode_rank(route.session, len(ids) + params.max_tokens, failed)
+            decode_at = route.decode = self.router.decode_rank(route.session, len(context) + params.max_tokens, failed)
             route.prefill = None
             prefill_down = self.router.prefill_down
         if prefill_down:  # no prefill rank to push it: the decode rank prefills it now, not after a timeout
-            self.decode[decode_at[0]].submit(ids, params, route.engine_id, rank=decode_at[1])
+            self.decode[decode_at[0]].submit(ids, params, route.engine_id, rank=decode_at[1], resumed=resumed)
             return
-        _, reservation = self.decode[decode_at[0]].reserve(ids, params, route.engine_id, rank=decode_at[1])
+        _, reservation = self.decode[decode_at[0]].reserve(ids, params, route.engine_id, rank=decode_at[1],
+                                                           resumed=resumed)
         if reservation is not None and self.prefill:
-            hit = self._lookup(decode_at, ids)
+            hit = self._lookup(decode_at, context)
             with self._lock:  # chosen once it is known to be needed, for what it will prefill
-                prefill_at = route.prefill = self.router.prefill_rank(route.session, len(ids) - (hit[0] if hit else 0))
+                prefill_at = route.prefill = self.router.prefill_rank(route.session,
+                                                                      len(context) - (hit[0] if hit else 0))
             # a prefill instance found dead here restarts and takes it; if it cannot, the decode
             # rank's reservation expires and it prefills the request itself
             try:
                 self.prefill[prefill_at[0]].submit(ids, params, route.engine_id, rank=prefill_at[1],
-                                                   push_to=reservation, cached=hit)
+                                                   push_to=reservation, cached=hit, resumed=resumed)
             except InstanceError:
                 pass
 
     def _replay(self, route: _Route, error: InstanceError) -> RequestOutput | None:
-        """Submit `route`'s request again after its decode gang failed with `error`: its prompt and the
-        tokens streamed so far as the prompt, the tokens left to generate. Tries for `REPLAY_S`, then
+        """Submit `route`'s request again after its decode gang failed with `error`: its prompt, with the
+        tokens streamed so far resumed (`Engine.add_request`: it goes on as if it had never stopped, its
+        seeded draws, penalties and min_tokens included). Tries for `REPLAY_S`, then
         raises an `InstanceError` saying so. A request that had nothing left to generate gets its
         last output (finished) instead."""
         if self._closed:  # the deployment is stopping: nothing to replay on
@@ -210,15 +215,12 @@ class DeploymentClient:
             return RequestOutput(route.request_id, [], "", True, "length", num_prompt_tokens=len(route.ids),
                                  num_output_tokens=len(route.tokens))
         route.held = self._held_text(route)
-        route.offset, route.replays = len(route.tokens), route.replays + 1  # a new engine id
+        route.replays += 1  # a new engine id
         self.replayed += 1
-        # the tokens streamed become prompt: what they owed min_tokens is paid
-        params = replace(route.params, max_tokens=left, min_tokens=max(0, route.params.min_tokens - len(route.tokens)))
-        ids = route.ids + route.tokens
         deadline = time.monotonic() + REPLAY_S
         while True:
             try:
-                self._place(route, ids, params)
+                self._place(route, list(route.tokens))
                 return None
             except InstanceError as e:
                 if time.monotonic() + REPLAY_RETRY_S > deadline or self._closed:

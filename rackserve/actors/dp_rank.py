@@ -41,6 +41,7 @@ class AddRequest:
     params: SamplingParams
     push_to: KVReservation | None
     cached: tuple[int, RemoteRegion] | None
+    resumed: list[int]
 
 
 @dataclass
@@ -106,14 +107,17 @@ class DPRank(GangMember):
 
         self._call(connect)
 
-    def reserve(self, request_id: str, prompt: str | list[int], params: dict, consumer: str = "") -> list | None:
+    def reserve(self, request_id: str, prompt: str | list[int], params: dict, resumed: list[int] | None = None,
+                consumer: str = "") -> list | None:
         """Decode side: a reservation for a request another rank prefills (wire form), or None when
-        the pool is full and this rank prefills it itself. `consumer` polls for its outputs."""
+        the pool is full and this rank prefills it itself. `resumed`: see `Engine.add_request`;
+        `consumer` polls for its outputs."""
         with self._lock:
             self._expect(request_id, consumer)
         try:
             sampling = SamplingParams.from_dict(params)
-            reservation = self._call(lambda engine: engine.reserve_push(prompt, sampling, request_id=request_id))
+            reservation = self._call(lambda engine: engine.reserve_push(prompt, sampling, request_id=request_id,
+                                                                        resumed=resumed))
         except Exception:  # refused: nothing will be streamed for it
             with self._lock:
                 self._drop(request_id)
@@ -148,16 +152,16 @@ class DPRank(GangMember):
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: dict, push_to: list | None = None,
-               cached: tuple[int, list] | None = None, consumer: str = "") -> None:
+               cached: tuple[int, list] | None = None, resumed: list[int] | None = None, consumer: str = "") -> None:
         """Queue a request; raises here (not in the loop) for parameters the engine cannot take.
         `push_to`: a decode rank's reservation (wire form): prefill only and push the state there;
-        `cached`: (tokens, wire region) of a prefix of the prompt in a KV store; `consumer`: who polls
-        for its outputs."""
+        `cached`: (tokens, wire region) of a prefix of the prompt in a KV store; `resumed`: see
+        `Engine.add_request`; `consumer`: who polls for its outputs."""
         sampling = SamplingParams.from_dict(params)
         if self.error:  # the caller learns now, before the request is lost
             raise RuntimeError(self.error)
         add = AddRequest(request_id, prompt, sampling, KVReservation.from_wire(push_to) if push_to else None,
-                         (cached[0], RemoteRegion.from_wire(cached[1])) if cached else None)
+                         (cached[0], RemoteRegion.from_wire(cached[1])) if cached else None, list(resumed or ()))
         with self._lock:
             self._inbox.append(add)
             if push_to is None:  # a pushed request's outputs belong to its decode rank
@@ -239,7 +243,7 @@ class DPRank(GangMember):
     def _add(self, item: AddRequest) -> None:
         try:
             self.engine.add_request(item.prompt, item.params, request_id=item.request_id, push_to=item.push_to,
-                                    cached=item.cached)
+                                    cached=item.cached, resumed=item.resumed)
         except ValueError as e:
             with self._lock:
                 self._emit(RequestOutput(item.request_id, [], "", True, "error", error=str(e)))

@@ -95,21 +95,22 @@ class InstanceClient:
 
     # ---- requests ------------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-               rank: int | None = None, push_to: list | None = None, cached: tuple[int, list] | None = None) -> str:
+               rank: int | None = None, push_to: list | None = None, cached: tuple[int, list] | None = None,
+               resumed: list[int] | None = None) -> str:
         """Queue a request on DP rank `rank` (default: the one streaming the fewest of ours); returns its
         id. A gang found dead here is restarted first, so the request is served. `push_to`/`cached`: see
-        `DPRank.submit` (disaggregated prefill)."""
+        `DPRank.submit` (disaggregated prefill); `resumed`: see `Engine.add_request`."""
         request_id = request_id or f"{self.consumer}-{secrets.token_hex(4)}"
         self._on_rank(rank, request_id, "submit", prompt, asdict(params or SamplingParams()), push_to, cached,
-                      own=push_to is None)  # a pushed request is streamed from its decode instance
+                      resumed, own=push_to is None)  # a pushed request is streamed from its decode instance
         return request_id
 
     def reserve(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                rank: int | None = None) -> tuple[str, list | None]:
+                rank: int | None = None, resumed: list[int] | None = None) -> tuple[str, list | None]:
         """Decode side of P/D: (request id, a reservation in wire form for the prefill rank, or None
         when the rank's pool is full and it prefills the request itself). Stream it as usual."""
         request_id = request_id or f"{self.consumer}-{secrets.token_hex(4)}"
-        return request_id, self._on_rank(rank, request_id, "reserve", prompt, asdict(params))
+        return request_id, self._on_rank(rank, request_id, "reserve", prompt, asdict(params), resumed)
 
     def _on_rank(self, rank: int | None, request_id: str, method: str, *args, own: bool = True):
         """Call `method(request_id, *args)` on DP rank `rank` (default: the least loaded), waking the

@@ -11,7 +11,9 @@ placed by the rack planner (one per tray, a KV store per tray, the ingress repli
 Per fault, in turn:
 
 1. TTFT before: p50 of --probes sequential 1-token streamed requests;
-2. --streams concurrent greedy streams (distinct prompts of 24 token ids, --osl tokens, EOS ignored),
+2. --streams concurrent streams, every other one greedy and the rest seeded samples under penalties
+   (distinct prompts of 24 token ids, --osl tokens, EOS ignored), so that a replay must resume their
+   seeded draws and token counts exactly,
    streamed over HTTP through Serve's proxy (httpx, server-sent events); their undisturbed text comes
    from the same requests run once before the fault;
 3. once every stream has its first text, the fault: SIGKILL of a decode DP rank (with EPLB moving
@@ -138,13 +140,20 @@ def start_app(name: str, settings: dict, port: int, cluster: RackCluster | None 
     return App(name, url, plane, config.num_ingress_replicas, cluster)
 
 
-def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome | None = None, timeout: float = 120.0) -> Outcome:
-    """Stream one greedy completion of `prompt` (token ids) into `out`; errors end up in `out.error`,
-    a stream cut off before its `[DONE]` included."""
+# the sampled streams' fields: a replay that restarted their draws or counts would change their text
+SAMPLED = {"temperature": 0.8, "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2,
+           "min_tokens": 8}
+
+
+def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome | None = None, timeout: float = 120.0,
+           seed: int | None = None) -> Outcome:
+    """Stream one completion of `prompt` (token ids) into `out`, greedy, or sampled under SAMPLED with
+    `seed`; errors end up in `out.error`, a stream cut off before its `[DONE]` included."""
     from rackserve.serve.app import REPLICA_HEADER
 
     out = out or Outcome()
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    sampling = {"temperature": 0} if seed is None else {**SAMPLED, "seed": seed}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **sampling,
             "stream": True, "stream_options": {"include_usage": True}}
     t0, done = time.monotonic(), False
     try:
@@ -192,9 +201,9 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def run_streams(url: str, batch: list[list[int]], osl: int) -> list[tuple[Outcome, threading.Thread]]:
     runs = []
-    for p in batch:
+    for i, p in enumerate(batch):
         out = Outcome()
-        thread = threading.Thread(target=stream, args=(url, p, osl, out), daemon=True)
+        thread = threading.Thread(target=stream, args=(url, p, osl, out, 120.0, i if i % 2 else None), daemon=True)
         thread.start()
         runs.append((out, thread))
     return runs
@@ -372,7 +381,7 @@ def table(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = script.parser(__doc__)
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams in flight at each fault")
-    ap.add_argument("--osl", type=int, default=48, help="tokens per stream (greedy, EOS ignored)")
+    ap.add_argument("--osl", type=int, default=48, help="tokens per stream (EOS ignored)")
     ap.add_argument("--probes", type=int, default=20, help="sequential 1-token requests per TTFT p50")
     ap.add_argument("--hang-s", type=float, default=180.0, help="a stream not ended this long after the fault hangs")
     ap.add_argument("--port", type=int, default=8000, help="HTTP port of Serve's proxy on 127.0.0.1")
@@ -399,7 +408,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    print(f"tiny model over HTTP on 4 local Ray nodes, {args.streams} greedy streams of {args.osl} tokens in flight "
+    print(f"tiny model over HTTP on 4 local Ray nodes, {args.streams} streams of {args.osl} tokens in flight "
+          "(half greedy, half seeded samples under penalties) "
           f"at each fault; TTFT: p50 of {args.probes} sequential 1-token requests; 'same': the undisturbed text; "
           "shared CPU\n")
     print(table(rows))

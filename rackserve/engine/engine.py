@@ -94,11 +94,14 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, push_to: KVReservation | None = None,
-                    cached: tuple[int, RemoteRegion] | None = None) -> Request:
+                    cached: tuple[int, RemoteRegion] | None = None, resumed: list[int] | None = None) -> Request:
         """Queue a request (text needs a tokenizer); raises `RequestError` for input it cannot serve.
         With `push_to`, only prefill it (and sample its first token), then push its state there.
-        `cached`: (tokens, where) of a prefix of it in a KV store (`PrefixStore.lookup`), read first."""
-        req = self._new_request(prompt, params, request_id)
+        `cached`: (tokens, where) of a prefix of it in a KV store (`PrefixStore.lookup`), read first.
+        `resumed`: output it generated before (a replay after its ranks failed): prefilled with the
+        prompt, and counted as output by max_tokens, min_tokens, the penalties and the seeded draws,
+        so it goes on as if it had never stopped."""
+        req = self._new_request(prompt, params, request_id, resumed)
         if (push_to is not None or cached is not None) and self.kv is None:
             raise RequestError("push_to and cached need an engine with a KV agent (Engine(..., kv=KVAgent(...)))")
         req.push_to = push_to
@@ -113,20 +116,22 @@ class Engine:
         self.scheduler.on_finish = self.kv.put
 
     def reserve_push(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> KVReservation | None:
+                     request_id: str | None = None, resumed: list[int] | None = None) -> KVReservation | None:
         """Take a request whose prompt another rank will prefill and push here (decode side of P/D):
         returns where to push it. None when this rank's transfer pool is full: the request is then
-        queued to prefill here. Params must carry a seed, the same as the prefill rank's."""
+        queued to prefill here. Params must carry a seed, the same as the prefill rank's; `resumed` as
+        `add_request` takes it, the same as the prefill rank's."""
         if self.kv is None:
             raise RequestError("reserve_push needs an engine with a KV agent (Engine(..., kv=KVAgent(...)))")
-        req = self._new_request(prompt, params, request_id)
+        req = self._new_request(prompt, params, request_id, resumed)
         reservation = self.kv.reserve(req)
         if reservation is None:
             self.scheduler.add(req)
         return reservation
 
-    def _new_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None) -> Request:
-        params = params or SamplingParams()
+    def _new_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
+                     resumed: list[int] | None = None) -> Request:
+        params, resumed = params or SamplingParams(), list(resumed or ())
         if request_id is not None and (self.scheduler.find(request_id) is not None
                                        or (self.kv is not None and request_id in self.kv.incoming)):
             raise RequestError(f"request id {request_id!r} is already in use; ids must be unique while running")
@@ -141,8 +146,13 @@ class Engine:
             raise RequestError("the prompt is empty; send at least one token")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab}) for this model")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in resumed):
+            raise RequestError(f"resumed token ids must be integers in [0, {vocab}) for this model")
+        if len(resumed) >= params.max_tokens:
+            raise RequestError(f"{len(resumed)} tokens resumed leave nothing to generate under "
+                               f"max_tokens={params.max_tokens}")
         limit = self.config.max_model_len
-        if len(ids) >= limit:
+        if len(ids) + len(resumed) >= limit:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; this engine's max_model_len is {limit} (prompt + output), "
                 "so shorten the prompt"
@@ -158,13 +168,14 @@ class Engine:
                                    f"ids; use ids in [0, {vocab})")
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
+            # the resumed output's text was sent before: it is context, and counts toward min_tokens
+            detok = IncrementalDetokenizer(self.tokenizer, ids + resumed, stop=params.stop,
                                            skip_special_tokens=params.skip_special_tokens,
-                                           min_tokens=params.min_tokens)
+                                           min_tokens=max(0, params.min_tokens - len(resumed)))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         return Request(request_id or f"req-{next(self._ids)}", ids, params, seed, arrival=next(self._ids),
-                       eos_ids=self.eos_ids, bad_words_ids=words, detokenizer=detok)
+                       eos_ids=self.eos_ids, resumed=resumed, bad_words_ids=words, detokenizer=detok)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its state; False if it is not in the engine."""
@@ -273,7 +284,7 @@ class Engine:
             handle = self.cache.allocate()
             if handle is None:
                 break
-            num_tokens = inc.num_tokens if inc.pulled else inc.request.num_prompt
+            num_tokens = inc.num_tokens if inc.pulled else inc.request.num_given
             if not self.cache.reserve(handle, num_tokens + 1):
                 self.cache.free(handle)
                 break
@@ -305,8 +316,8 @@ class Engine:
         queued = [*self.scheduler.running, *self.scheduler.waiting]
         incoming = list(self.kv.incoming.values()) if self.kv is not None else []
         return {"requests": len(queued) + len(incoming),
-                "tokens": sum(len(r.token_ids) for r in queued) + sum(i.request.num_prompt for i in incoming),
-                "prefill_tokens": sum(max(0, r.num_prompt - r.num_computed) for r in queued)}
+                "tokens": sum(len(r.token_ids) for r in queued) + sum(i.request.num_given for i in incoming),
+                "prefill_tokens": sum(max(0, r.num_given - r.num_computed) for r in queued)}
 
     def stats(self) -> dict:
         """Counters: prefix-cache hits and skipped tokens, evictions, preemptions, state memory, and with

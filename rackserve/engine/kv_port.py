@@ -112,7 +112,7 @@ class KVPort:
     # ---- decode side -------------------------------------------------------------------------------
     def reserve(self, req: Request) -> KVReservation | None:
         """A pool range for `req`'s prefilled state; None when the pool is full."""
-        nbytes = self.cache.state.blob_nbytes(req.num_prompt)
+        nbytes = self.cache.state.blob_nbytes(req.num_given)
         offset = self.agent.alloc(nbytes)
         if offset is None:
             return None
@@ -166,7 +166,7 @@ class KVPort:
 
     def load(self, inc: Incoming, handle: CacheHandle) -> None:
         """Copy an arrived state into `handle` (holding pages for its tokens) and release its range."""
-        num_tokens = inc.num_tokens if inc.pulled else inc.request.num_prompt
+        num_tokens = inc.num_tokens if inc.pulled else inc.request.num_given
         self.cache.fence()
         self.cache.state.import_from(handle, self.agent.view(inc.offset, inc.nbytes), num_tokens)
         del self.incoming[inc.request.request_id]

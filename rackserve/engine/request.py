@@ -35,6 +35,7 @@ class Request:
     seed: int  # the effective RNG seed (drawn by the engine when params.seed is None)
     arrival: int  # admission order, for fairness
     eos_ids: tuple[int, ...] = ()
+    resumed: list[int] = field(default_factory=list)  # output generated before a replay, resumed from here
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (penalties.bad_word_ids)
     detokenizer: IncrementalDetokenizer | None = None
     token_ids: list[int] = field(init=False)  # prompt + output so far
@@ -50,11 +51,16 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)  # speculative decoding: tokens to verify next step
 
     def __post_init__(self) -> None:
-        self.token_ids = list(self.prompt_ids)
+        self.token_ids = [*self.prompt_ids, *self.resumed]
 
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def num_given(self) -> int:
+        """Tokens known at admission, all to prefill: the prompt and the resumed output."""
+        return len(self.prompt_ids) + len(self.resumed)
 
     @property
     def num_known(self) -> int:

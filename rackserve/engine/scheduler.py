@@ -234,7 +234,8 @@ class Scheduler:
                 req.status, req.finish_reason = Status.FINISHED, "pushed"
                 self.pushed.append(req)
                 return RequestOutput(req.request_id, [token], "", True, "pushed", num_prompt_tokens=req.num_prompt,
-                                     num_cached_tokens=req.num_cached, num_output_tokens=1)
+                                     num_cached_tokens=req.num_cached,
+                                     num_output_tokens=len(req.token_ids) - req.num_prompt)
             is_eos = token in req.eos_ids and not params.ignore_eos
             # before min_tokens the sampler bans these; a model that can sample nothing else still may not stop
             if (token in params.stop_token_ids or is_eos) and len(req.token_ids) - req.num_prompt > params.min_tokens:

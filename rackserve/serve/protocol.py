@@ -148,6 +148,8 @@ def _check_fields(body: dict, endpoint: str) -> None:
     """Every field of `body` is honoured, or asks for what this server does anyway; else a 400 naming it."""
     honoured = fields.HONOURED[endpoint]
     refused = fields.CHAT_REFUSED if endpoint == "chat" else fields.REFUSED
+    for name in ("user", "prompt_cache_key"):  # read by `session_of`, which must not skip a wrong type
+        _get(body, name, _STRING)
     for name, value in body.items():
         if value is None or name in honoured:
             continue
