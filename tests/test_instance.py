@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import shutil
 import signal
 import time
 
+import jsonschema
 import pytest
 import ray
 
@@ -23,9 +25,11 @@ from rackserve.actors.faults import InstanceError
 from rackserve.actors.instance import Instance
 from rackserve.config import ConfigError
 from rackserve.engine import LLM, SamplingParams
+from rackserve.engine.grammar import GrammarSpec
 from rackserve.models.deepseek_v4.tiny import make_tiny
 from rackserve.placement import InstanceGroup, PlacementSpec, plan
 from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
+from test_structured import assorted_schemas
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64}
@@ -96,6 +100,12 @@ def test_dep2_instance(ray_cluster, tiny_checkpoint):
 
         [bad] = inst.generate([prompt(9000, seed=1)], GREEDY)  # refused, the others keep going
         assert bad.finish_reason == "error" and "max_model_len" in bad.error
+
+        for i, schema in enumerate(assorted_schemas(12)):  # structured outputs on either rank of the gang
+            spec = GrammarSpec("json_schema", json.dumps(schema))
+            [c] = inst.generate(["config = "], SamplingParams(structured=spec, max_tokens=160, temperature=0.8, seed=i))
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), schema)
     finally:
         inst.shutdown()
 

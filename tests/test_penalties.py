@@ -83,7 +83,7 @@ def test_bad_words_ban_a_word_s_last_token_only_after_the_rest_of_it():
     logits = torch.randn(len(cases), V, generator=torch.Generator().manual_seed(1))
     chunks = [ChunkRows(make_request(pr, out, p, words), slot=0, end=len(pr) + len(out), drafts=[], first_row=i)
               for i, (pr, out) in enumerate(cases)]
-    got = build_adjustments(chunks, len(cases), torch.zeros(1, dtype=torch.long), None).apply(logits)
+    got = build_adjustments(chunks, len(cases), torch.zeros(1, dtype=torch.long), TokenHistory(1, V, "cpu")).apply(logits)
     want = torch.stack([reference(logits[i], pr, out, p, words) for i, (pr, out) in enumerate(cases)])
     torch.testing.assert_close(got, want)
     # a word whose first tokens are in the prompt is not completed by the output's first token
@@ -141,7 +141,7 @@ def test_greedy_rows_take_the_adjusted_argmax_and_logprobs_stay_raw():
     p = SamplingParams(temperature=0, logit_bias={top: -100})
     req = make_request([0], [], p)
     adjust = build_adjustments([ChunkRows(req, 0, 1, [], 0), ChunkRows(make_request([0], [], p), 1, 1, [], 1)], 2,
-                               torch.zeros(1, dtype=torch.long), None)
+                               torch.zeros(1, dtype=torch.long), TokenHistory(2, V, "cpu"))
     out = sample(logits, SamplingBatch.build([p, p], [0, 0], [0, 0], adjust=adjust))
     assert int(out.token_ids[0]) != top
     assert int(out.token_ids[0]) == int(logits[0].masked_fill(torch.arange(V) == top, -math.inf).argmax())

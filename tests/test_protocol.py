@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from rackserve.engine import SamplingParams
+from rackserve.engine.grammar import GrammarSpec
 from rackserve.engine.request import TokenLogprobs
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
 from rackserve.models.tokenizer import CHAT_TEMPLATE, Tokenizer
@@ -164,7 +165,7 @@ def test_at_most_four_stop_strings():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("best_of", 3), ("suffix", "end"), ("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"}),
+    ("best_of", 3), ("suffix", "end"), ("tools", [{"type": "function"}]),
     ("use_beam_search", True), ("store", True), ("metadata", {"k": "v"}), ("priority", 1),
 ])
 def test_unsupported_fields_are_refused_unless_default(field, value):
@@ -200,6 +201,30 @@ def test_penalties_biases_and_bans_are_parsed():
     assert_400(bad_chat(logit_bias={"x": 1}), "logit_bias", "not a token id")
     assert_400(bad_chat(logit_bias=[1]), "logit_bias", "must be an object")
     assert_400(bad_chat(bad_words=[1]), "bad_words", "array of strings")
+
+
+def test_structured_outputs_are_parsed():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    want = GrammarSpec("json_schema", json.dumps(schema))
+    for parse in (completion, chat):
+        assert parse(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
+                                                                             "strict": True}}).base_params.structured == want
+        assert parse(structured_outputs={"json": schema}).base_params.structured == want
+        assert parse(structured_outputs={"json": json.dumps(schema)}).base_params.structured == want
+        assert parse(structured_outputs={"choice": ["a", "b"]}).base_params.structured == GrammarSpec("choice", '["a", "b"]')
+        assert parse(structured_outputs={"grammar": "start: \"a\""}).base_params.structured.kind == "grammar"
+        assert parse(structured_outputs={"json_object": True, "disable_any_whitespace": True}).base_params.structured \
+            == GrammarSpec("json_object")
+        assert parse(response_format={"type": "text"}).base_params.structured is None
+    assert_400(bad_chat(response_format={"type": "yaml"}), "response_format", "unknown")
+    assert_400(bad_chat(response_format={"type": "json_schema", "json_schema": {"schema": [1]}}), "response_format",
+               "schema")
+    assert_400(bad_chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+               "structured_outputs", "not both")
+    assert_400(bad_chat(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "exactly one")
+    assert_400(bad_chat(structured_outputs={"choice": []}), "structured_outputs", "non-empty JSON array")
+    assert_400(bad_chat(structured_outputs={"regex": "a", "whitespace_pattern": " "}), "structured_outputs",
+               "whitespace_pattern")
 
 
 def refused_sampling(req, prompt_tokens, max_model_len, vocab_size=None) -> APIError:
@@ -254,11 +279,13 @@ HONOURED = {  # field -> (a value asking for something, what the parsed request 
     "allowed_token_ids": ([4, 5], lambda r: r.base_params.allowed_token_ids == (4, 5)),
     "bad_words": (["rack"], lambda r: r.base_params.bad_words == ("rack",)),
     "echo": (True, lambda r: r.echo),
+    "response_format": ({"type": "json_object"}, lambda r: r.base_params.structured == GrammarSpec("json_object")),
+    "structured_outputs": ({"regex": "a+"}, lambda r: r.base_params.structured == GrammarSpec("regex", "a+")),
 }
 REQUIRED = {"model", "prompt", "messages"}
 ASKING = {  # refused fields: a value that asks for something this server does not do
     "best_of": 2, "suffix": "!", "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
-    "functions": [{"name": "f"}], "function_call": "auto", "response_format": {"type": "json_object"},
+    "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
     "reasoning_effort": "high", "verbosity": "low", "web_search_options": {}, "store": True,
     "metadata": {"k": "v"}, "service_tier": "flex", "safety_identifier": "u", "moderation": {"type": "x"},
@@ -268,7 +295,7 @@ ASKING = {  # refused fields: a value that asks for something this server does n
     "prompt_logprobs": 1, "logprob_token_ids": [1], "prompt_embeds": "AAAA", "add_generation_prompt": False,
     "continue_final_message": True, "documents": [{"text": "x"}], "chat_template": "{{ x }}",
     "chat_template_kwargs": {"thinking": True}, "media_io_kwargs": {"x": 1}, "mm_processor_kwargs": {"x": 1},
-    "mm_payload": {"x": 1}, "return_mm_kwargs": True, "structured_outputs": {"json": {"type": "object"}},
+    "mm_payload": {"x": 1}, "return_mm_kwargs": True,
     "priority": 3, "request_id": "r", "session_id": "s", "return_tokens_as_token_ids": True,
     "return_token_ids": True, "return_token_offsets": True, "return_prompt_text": True,
     "routed_experts_prompt_start": 0, "cache_salt": "s", "kv_transfer_params": {"x": 1},

@@ -98,6 +98,36 @@ def test_penalties_biases_and_bans_over_http_are_the_python_apis(client, tiny_ch
 
 
 @pytest.mark.slow
+def test_50_json_schema_requests_streamed_over_http_validate(client):
+    """Through P/D (the decode rank rebuilds each grammar from the first token the prefill rank sampled),
+    streamed: OpenAI's response_format json_schema and vLLM's structured_outputs, every output valid."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+    from test_structured import assorted_schemas
+
+    def one(i_schema):
+        i, schema = i_schema
+        fmt = dict(response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
+                                                                            "strict": True}})
+        if i % 2:
+            fmt = dict(extra_body={"structured_outputs": {"json": schema}})
+        chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"JSON {i}"}],
+                                                max_tokens=200, temperature=0.7 if i % 3 else 0, seed=i, stream=True,
+                                                **fmt)
+        parts = [(c.choices[0].delta.content or "", c.choices[0].finish_reason) for c in chunks if c.choices]
+        return "".join(p for p, _ in parts), parts[-1][1], schema
+
+    with ThreadPoolExecutor(16) as pool:
+        for text, reason, schema in pool.map(one, enumerate(assorted_schemas(50))):
+            assert reason == "stop", (text, reason)
+            jsonschema.validate(json.loads(text), schema)
+    with pytest.raises(openai.BadRequestError, match="regex does not compile"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "(abc"}})
+
+
+@pytest.mark.slow
 def test_the_replica_serves_directly_too(server, ray_cluster, tiny_checkpoint):
     """The session's cluster is started for direct ingress: the same replica answers on its own port,
     with the same text and the same API key check, without Serve's proxy in the way."""

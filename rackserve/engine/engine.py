@@ -15,6 +15,7 @@ from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.engine.forward_thread import ForwardThread
 from rackserve.engine.graphs import DecodeGraphs
 from rackserve.engine.gang import ExpertBalancer, Gang, sync
+from rackserve.engine.grammar import Grammars
 from rackserve.engine.kv_port import KVPort
 from rackserve.engine.penalties import bad_word_ids
 from rackserve.engine.request import Request, RequestOutput
@@ -90,6 +91,7 @@ class Engine:
         self._seeds = random.Random(c.seed)
         self._ids = itertools.count()
         self.eos_ids = tuple(model.config.eos_token_ids)
+        self._grammars: Grammars | None = None  # made for the first structured request
         self.num_steps = 0
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -161,6 +163,11 @@ class Engine:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids with a token-only model")
         if params.bad_words and self.tokenizer is None:
             raise RequestError("bad_words need a tokenizer; use logit_bias of -100 with a token-only model")
+        matcher = None
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need a tokenizer (a grammar is over text)")
+            matcher = self.grammars().matcher(params.structured, resumed)
         for name, given in (("logit_bias", [t for t, _ in params.logit_bias]),
                             ("allowed_token_ids", params.allowed_token_ids or ())):
             if any(t >= vocab for t in given):
@@ -175,7 +182,14 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         return Request(request_id or f"req-{next(self._ids)}", ids, params, seed, arrival=next(self._ids),
-                       eos_ids=self.eos_ids, resumed=resumed, bad_words_ids=words, detokenizer=detok)
+                       eos_ids=self.eos_ids, resumed=resumed, bad_words_ids=words, detokenizer=detok,
+                       matcher=matcher)
+
+    def grammars(self) -> Grammars:
+        """This model's grammar compiler (and its cache), made on first use."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer.to_json(), self.model.config.vocab_size, self.eos_ids[0])
+        return self._grammars
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its state; False if it is not in the engine."""

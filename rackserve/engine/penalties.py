@@ -1,7 +1,7 @@
 """What a request's history, biases and bans do to its logits before temperature and filters.
 
 `LogitAdjustments.apply` changes a step's sampling rows `[R, V]` in one pass of batched tensor ops
-(no loop over rows), in this order: `allowed_token_ids`, bans (`bad_words`, and EOS / stop ids
+(no loop over rows), in this order: the grammar's bitmask (structured outputs), `allowed_token_ids`, bans (`bad_words`, and EOS / stop ids
 under `min_tokens`), `logit_bias`, then the penalties in vLLM's order: repetition (HF's: seen
 tokens' logits divided by it where positive, multiplied where negative), frequency, presence.
 
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from rackserve.timing import phase
 
 if TYPE_CHECKING:
     from rackserve.engine.request import Request
@@ -122,6 +124,7 @@ class CatchUp:
 class LogitAdjustments:
     """One step's changes to its sampling rows' logits [R, V]; each part None when no row has it.
 
+    grammar: (rows [G], bitmask [G, ceil(V / 32)] int32): those rows keep only the tokens whose bit is set.
     allowed: (rows [A], ids [A], restricted [R] bool): restricted rows keep only their listed ids.
     bans: (rows [B], ids [B]). bias: (rows [N], ids [N], values [N] f32).
     words: multi-token bad words, (rows [W], prefix [W, L] right-aligned with ANY padding, last [W],
@@ -133,6 +136,7 @@ class LogitAdjustments:
     """
 
     input_ids: torch.Tensor
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     bans: tuple[torch.Tensor, torch.Tensor] | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -149,6 +153,12 @@ class LogitAdjustments:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [R, V] float32 → the adjusted logits (a new tensor)."""
         logits = logits.clone()
+        if self.grammar is not None:
+            with phase("grammar"):
+                rows, bitmask = self.grammar
+                bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device, dtype=torch.int32)) & 1
+                keep = bits.reshape(len(rows), -1)[:, :logits.shape[-1]].bool()
+                logits[rows] = logits[rows].masked_fill(~keep, -math.inf)
         if self.allowed is not None:
             rows, ids, restricted = self.allowed
             keep = ~restricted[:, None].expand_as(logits)
@@ -203,10 +213,10 @@ def bad_word_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ..
 
 
 def build_adjustments(chunks: list[ChunkRows], num_rows: int, input_ids: torch.Tensor,
-                      history: TokenHistory | None) -> LogitAdjustments | None:
+                      history: TokenHistory) -> LogitAdjustments | None:
     """The adjustments of a step's sampling rows (`num_rows` of them; `chunks`: those of requests
-    whose parameters adjust logits), or None when there are none. `history` is needed once a chunk
-    is penalised."""
+    whose parameters adjust logits), or None when there are none. A structured request's rows get
+    their grammar's masks, each after the drafts before it (its matcher is left where it was)."""
     chunks = [c for c in chunks if c.request.params.adjusts_logits]
     if not chunks:
         return None
@@ -216,11 +226,20 @@ def build_adjustments(chunks: list[ChunkRows], num_rows: int, input_ids: torch.T
     restricted = [False] * num_rows
     words: list[tuple[int, tuple[int, ...], list[int], list[int]]] = []  # row, word, tail values, tail inputs
     pen = [[], [], [], [], [], [], []]
+    grammar_rows: list[int] = []
+    bitmask = torch.zeros(0)
+    if any(c.request.matcher is not None for c in chunks):
+        rows = sum(len(c.drafts) + 1 for c in chunks if c.request.matcher is not None)
+        bitmask = torch.zeros(rows, (history.vocab_size + 31) // 32, dtype=torch.int32)
     width = max((len(w) for c in chunks for w in c.request.bad_words_ids), default=1) - 1  # longest prefix
     for c in chunks:
         req, p = c.request, c.request.params
         stops = sorted({*p.stop_token_ids, *(() if p.ignore_eos else req.eos_ids)})
         multi = any(len(w) > 1 for w in req.bad_words_ids)
+        if req.matcher is not None:
+            with phase("grammar"):
+                _grammar_masks(c, bitmask, len(grammar_rows))
+            grammar_rows += range(c.first_row, c.first_row + len(c.drafts) + 1)
         for i in range(len(c.drafts) + 1):
             row = c.first_row + i
             if p.allowed_token_ids is not None:
@@ -252,6 +271,8 @@ def build_adjustments(chunks: list[ChunkRows], num_rows: int, input_ids: torch.T
                 for draft in c.drafts[:i]:
                     pen[5].append(index)
                     pen[6].append(draft)
+    if grammar_rows:
+        out.grammar = (_ids(grammar_rows, device), bitmask.to(device))
     if allowed[0]:
         out.allowed = (_ids(allowed[0], device), _ids(allowed[1], device), _ids(restricted, device, torch.bool))
     if bans[0]:
@@ -264,13 +285,25 @@ def build_adjustments(chunks: list[ChunkRows], num_rows: int, input_ids: torch.T
                      _ids([w[-1] for _, w, _, _ in words], device),
                      _ids([v for _, _, v, _ in words], device), _ids([x for _, _, _, x in words], device))
     if pen[0]:
-        if history is None:
-            raise RuntimeError("penalties need a TokenHistory; the runner makes one")
         out.history = history
         out.catch_up = history.plan([c for c in chunks if c.request.params.penalized])
         out.penalties = (*(_ids(x, device) for x in pen[:2]), *(_ids(x, device, torch.float32) for x in pen[2:5]),
                          _ids(pen[5], device), _ids(pen[6], device))
     return out
+
+
+def _grammar_masks(c: ChunkRows, bitmask: torch.Tensor, first: int) -> None:
+    """Rows `first …` of `bitmask`: chunk `c`'s rows' masks, row i's after drafts 0 … i-1. Rows after a
+    draft the grammar refuses keep the mask before it: that draft is rejected, they are never reached."""
+    m, taken = c.request.matcher, 0
+    for i in range(len(c.drafts) + 1):
+        if i == taken:
+            m.fill(bitmask, first + i)
+        else:
+            bitmask[first + i] = bitmask[first + i - 1]
+        if i < len(c.drafts) and i == taken:
+            taken += m.accept([c.drafts[i]])
+    m.rollback(taken)
 
 
 def _tail(c: ChunkRows, i: int, width: int) -> tuple[list[int], list[int]]:

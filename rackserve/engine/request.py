@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rackserve.engine.detokenizer import IncrementalDetokenizer
+from rackserve.engine.grammar import Matcher
 from rackserve.engine.sampling import SamplingParams
 from rackserve.engine.state_cache import CacheHandle
 from rackserve.transfer.transport import KVReservation
@@ -38,6 +39,7 @@ class Request:
     resumed: list[int] = field(default_factory=list)  # output generated before a replay, resumed from here
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (penalties.bad_word_ids)
     detokenizer: IncrementalDetokenizer | None = None
+    matcher: Matcher | None = None  # with params.structured: where its output is in the grammar
     token_ids: list[int] = field(init=False)  # prompt + output so far
     num_computed: int = 0  # tokens whose state is in the cache, or will be once the scheduled steps ran
     num_pending: int = 0  # tokens sampled by scheduled steps, not yet in token_ids

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from rackserve.engine.grammar import GrammarSpec
 from rackserve.engine.penalties import LogitAdjustments
 
 MAX_LOGPROBS = 20
@@ -79,7 +80,8 @@ class SamplingParams:
     `logit_bias` (token id → added to its logit, as OpenAI's), then vLLM's order of penalties:
     `repetition_penalty` (HF's: logits of tokens seen in prompt or output divided by it where positive,
     multiplied where negative), `frequency_penalty` (minus it × the token's count in the output) and
-    `presence_penalty` (minus it once the token is in the output), OpenAI's definitions.
+    `presence_penalty` (minus it once the token is in the output), OpenAI's definitions. Before all
+    of them, `structured` (`rackserve.engine.grammar`) keeps only the tokens its grammar allows next.
     """
 
     temperature: float = 1.0
@@ -100,6 +102,7 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words: tuple[str, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    structured: GrammarSpec | None = None  # a dict of its fields is taken too
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -152,6 +155,10 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids={list(allowed)} must list at least one id, all ≥ 0; "
                                  "send null to allow every token")
             object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.structured is not None:
+            if not isinstance(self.structured, (GrammarSpec, dict)):
+                raise ValueError(f"structured={self.structured!r} must be a GrammarSpec or a dict of its fields")
+            object.__setattr__(self, "structured", GrammarSpec.from_dict(self.structured))
         if self.logprobs is not None:
             _check_number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -171,7 +178,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether anything changes this request's logits before temperature and filters."""
         return bool(self.penalized or self.logit_bias or self.min_tokens or self.bad_words
-                    or self.allowed_token_ids is not None)
+                    or self.allowed_token_ids is not None or self.structured is not None)
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:

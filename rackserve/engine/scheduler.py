@@ -140,10 +140,12 @@ class Scheduler:
 
     def _waits(self, req: Request) -> bool:
         """Whether `req`, with a token pending, sits this step out: that token finishes it for sure,
-        or (prefix caching) it completes a block whose hash needs it."""
+        (prefix caching) it completes a block whose hash needs it, or its grammar needs it for the
+        next mask."""
         n = req.num_known
-        return self._done_when_known(req) or (req.num_pending > 0 and self.cache.prefix_caching
-                                              and n % self.cache.block_size == 0)
+        return self._done_when_known(req) or (req.num_pending > 0 and (
+            (self.cache.prefix_caching and n % self.cache.block_size == 0)
+            or req.matcher is not None))  # its grammar's next mask needs the pending token
 
     def _done_when_known(self, req: Request) -> bool:
         """Whether a pending token of `req` finishes it for sure: its last allowed token, or the first
@@ -236,7 +238,10 @@ class Scheduler:
                 return RequestOutput(req.request_id, [token], "", True, "pushed", num_prompt_tokens=req.num_prompt,
                                      num_cached_tokens=req.num_cached,
                                      num_output_tokens=len(req.token_ids) - req.num_prompt)
-            is_eos = token in req.eos_ids and not params.ignore_eos
+            if req.matcher is not None:
+                req.matcher.accept([token])  # the mask allowed it; EOS once the grammar is complete
+            # a complete structured output ends at its EOS, ignore_eos or not: nothing else may follow
+            is_eos = token in req.eos_ids and (not params.ignore_eos or (req.matcher is not None and req.matcher.done))
             # before min_tokens the sampler bans these; a model that can sample nothing else still may not stop
             if (token in params.stop_token_ids or is_eos) and len(req.token_ids) - req.num_prompt > params.min_tokens:
                 reason = "stop"

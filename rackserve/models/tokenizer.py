@@ -120,6 +120,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (for libraries that build their own from it)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`, after BOS when `add_bos`. Special tokens written in the text (as a chat
         template writes BOS) encode as themselves, so encode `apply_chat_template`'s text with add_bos=False."""

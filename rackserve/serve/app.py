@@ -34,6 +34,7 @@ from ray import serve
 from rackserve.actors.deployment_client import DeploymentClient
 from rackserve.actors.faults import InstanceError
 from rackserve.engine import RequestOutput
+from rackserve.engine.grammar import GrammarError, Grammars
 from rackserve.models import BUILT_IN, resolve
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.serve import protocol as api
@@ -135,6 +136,10 @@ class OpenAIServer:
         path = resolve(self.config.model) if self.config.model in BUILT_IN else info["path"]
         self.tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         self.deployment = DeploymentClient(RemoteDataPlane(self.plane), self.tokenizer, name="ingress")
+        # compiles each request's grammar before it is routed, so one that cannot compile is a 400 before
+        # anything runs (the rank compiles it again: a millisecond, then cached there too)
+        self.grammars = Grammars(self.tokenizer.to_json(), self.vocab_size, self.tokenizer.eos_id) \
+            if self.tokenizer is not None and self.tokenizer.eos_id is not None else None
         self.metrics = Metrics()
         self.inflight = 0
         self.replica = serve.get_replica_context().replica_id.unique_id
@@ -196,6 +201,8 @@ class OpenAIServer:
             ids = self._prompt_ids(req, chat)
             session = api.session_of(body, request.headers)
             params = req.sampling(len(ids), self.max_model_len, self.vocab_size)
+            if params.structured is not None:
+                self._check_grammar(params.structured, body)
             if self.draining:  # checked where the count goes up, with no await between: see `_report_loop`
                 raise api.APIError(503, "the server is shutting down and takes no new requests; retry against "
                                         "another replica or later", "server_error", code=DRAINING)
@@ -299,6 +306,16 @@ class OpenAIServer:
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise api.APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
                                "authentication_error", code="invalid_api_key")
+
+    def _check_grammar(self, spec, body: dict) -> None:
+        param = "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
+        if self.grammars is None:
+            raise api.APIError(400, "structured outputs need the model's tokenizer, which this checkpoint lacks",
+                               param=param)
+        try:
+            self.grammars.matcher(spec)
+        except GrammarError as e:
+            raise api.APIError(400, str(e), param=param) from None
 
     def _prompt_ids(self, req, chat: bool) -> list[int]:
         tok = self.tokenizer

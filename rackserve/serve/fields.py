@@ -15,7 +15,7 @@ from typing import Any
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
              "skip_special_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
              "min_tokens", "bad_words", "allowed_token_ids", "max_tokens", "stream", "stream_options", "logprobs",
-             "n")
+             "n", "response_format", "structured_outputs")
 # user, prompt_cache_key: the routing session (`protocol.session_of`)
 HONOURED = {
     "completions": frozenset({"model", "prompt", "echo", "user", "prompt_cache_key", *_SAMPLING}),
@@ -24,7 +24,6 @@ HONOURED = {
 }
 
 _NOT_YET_TOOLS = "tool calling comes with each model family's chat encoding"
-_NOT_YET_STRUCTURED = "structured outputs are not served yet; send response_format {\"type\": \"text\"}"
 _BEAM = "this server does not run beam search"
 _STORE = "this server stores no completions"
 _MULTIMODAL = "rackserve serves text only"
@@ -39,7 +38,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "parallel_tool_calls": ((True, False), _NOT_YET_TOOLS),  # means nothing without tools
     "functions": (([],), _NOT_YET_TOOLS),
     "function_call": (("none",), _NOT_YET_TOOLS),
-    "response_format": (({"type": "text"},), _NOT_YET_STRUCTURED),
     "audio": ((), _MULTIMODAL),
     "modalities": ((["text"],), _MULTIMODAL),
     "prediction": ((), "predicted outputs are not used here; speculative decoding drafts its own"),
@@ -74,7 +72,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "mm_processor_kwargs": ((), _MULTIMODAL),
     "mm_payload": ((), _MULTIMODAL),
     "return_mm_kwargs": ((False,), _MULTIMODAL),
-    "structured_outputs": ((), _NOT_YET_STRUCTURED),
     "priority": ((0,), "requests are served in arrival order"),
     "request_id": ((), "response ids are the server's"),
     "session_id": ((), "route a session with user, prompt_cache_key or the X-Session-Id header"),

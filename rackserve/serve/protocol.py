@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from rackserve.engine.grammar import GrammarError, GrammarSpec
 from rackserve.engine.sampling import MAX_LOGPROBS, SamplingParams
 from rackserve.serve import fields
 
@@ -224,6 +225,64 @@ def _strings(body: dict, name: str) -> tuple[str, ...] | None:
     raise _invalid(f"{name} must be a string or an array of strings, not {_json_type(value)} {_show(value)}", name)
 
 
+# vLLM's `structured_outputs` keys: one of these says what to follow...
+_STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                     "json_object": "json_object"}
+# ...and these tune how, each refused unless it asks for what is done anyway: JSON is written one way
+# (", " and ": "), which any-whitespace JSON allows too, and additionalProperties is the schema's own
+_STRUCTURED_DEFAULTS: dict[str, tuple[Any, ...]] = {"disable_any_whitespace": (False, True),
+                                                   "disable_additional_properties": (False,)}
+
+
+def _structured(body: dict) -> GrammarSpec | None:
+    """What the output must follow: OpenAI's `response_format` or vLLM's `structured_outputs` (not both).
+    A JSON schema is followed exactly with strict true or false (a guaranteed parse is what both ask)."""
+    fmt, so = _get(body, "response_format", _OBJECT), _get(body, "structured_outputs", _OBJECT)
+    if fmt is not None and so is not None and fmt.get("type") != "text":
+        raise _invalid("send response_format or structured_outputs, not both", "structured_outputs")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return GrammarSpec("json_object")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise _invalid("response_format.json_schema must be an object with the schema under \"schema\"",
+                               "response_format")
+            strict = spec.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise _invalid("response_format.json_schema.strict must be a boolean", "response_format")
+            return GrammarSpec("json_schema", json.dumps(spec.get("schema", {})))
+        raise _invalid(f"response_format.type {_show(kind)} is unknown; use \"text\", \"json_object\" or "
+                       "\"json_schema\"", "response_format")
+    if so is None:
+        return None
+    given = [k for k in _STRUCTURED_KINDS if so.get(k) not in (None, False)]
+    for key, value in so.items():
+        if key in _STRUCTURED_KINDS or value is None:
+            continue
+        allowed = _STRUCTURED_DEFAULTS.get(key)
+        if allowed is None or not any(value == a and type(value) is type(a) for a in allowed):
+            raise _invalid(f"structured_outputs.{key}={_show(value)} is not supported by this server; it takes one "
+                           f"of {list(_STRUCTURED_KINDS)}", "structured_outputs")
+    if len(given) != 1:
+        raise _invalid(f"structured_outputs must give exactly one of {list(_STRUCTURED_KINDS)}, not {given}",
+                       "structured_outputs")
+    key, value = given[0], so[given[0]]
+    try:
+        if key == "json":
+            return GrammarSpec("json_schema", value if isinstance(value, str) else json.dumps(value))
+        if key == "json_object":
+            return GrammarSpec("json_object")
+        if key == "choice":
+            return GrammarSpec("choice", json.dumps(value))
+        return GrammarSpec(_STRUCTURED_KINDS[key], value)
+    except GrammarError as e:
+        raise _invalid(f"structured_outputs.{key}: {e}", "structured_outputs") from None
+
+
 def _base_params(body: dict, logprobs: int | None) -> SamplingParams:
     """The body's sampling fields (OpenAI names, plus vLLM's top_k, min_p, repetition_penalty, min_tokens,
     bad_words, allowed_token_ids, stop_token_ids, ignore_eos and skip_special_tokens), all but max_tokens,
@@ -246,6 +305,7 @@ def _base_params(body: dict, logprobs: int | None) -> SamplingParams:
         "min_tokens": _get(body, "min_tokens", _INTEGER),
         "bad_words": _strings(body, "bad_words"),
         "allowed_token_ids": _token_ids(body, "allowed_token_ids"),
+        "structured": _structured(body),
     }
     given = {name: value for name, value in given.items() if value is not None}
     floor = max(given.get("min_tokens", 0), 1)
@@ -253,7 +313,7 @@ def _base_params(body: dict, logprobs: int | None) -> SamplingParams:
         try:
             SamplingParams(**{name: value, "max_tokens": max(floor, SamplingParams.max_tokens)})
         except ValueError as e:
-            raise _invalid(str(e), name) from None
+            raise _invalid(str(e), "structured_outputs" if name == "structured" else name) from None
     return SamplingParams(**given, max_tokens=max(floor, SamplingParams.max_tokens))
 
 

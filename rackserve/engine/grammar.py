@@ -1,0 +1,143 @@
+"""Structured outputs: a grammar per request, compiled once per spec, and its token bitmask each step.
+
+Built on llguidance, chosen over xgrammar after measuring both on our tokenizers (4,096 and 129,280
+ids, CPU): compiling a JSON schema takes ~1 ms instead of 40–55 ms at 129K ids (agents send many
+distinct schemas), the mask costs 30–100 µs a step where xgrammar's reaches 150–220 µs inside free
+strings, special tokens are kept out of strings without help, and it has no Python dependencies.
+
+`Grammars` compiles a `GrammarSpec` against one tokenizer: a grammar that cannot compile is a
+`GrammarError` naming the problem before anything runs, and a compiled one is kept (least recently
+used first out) as a ready matcher that new requests copy. A `Matcher` follows one request's output:
+`fill` writes the tokens allowed next into a packed bitmask row, `accept` advances by tokens and says
+how many the grammar took (llguidance's matcher is broken for good by a token it does not allow, so
+tokens are validated first), `rollback` takes back rejected drafts. A request that moves (P/D,
+replay) rebuilds its matcher from its tokens: matchers are not serialisable, and replay is cheap
+(~1 ms for 200 tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.torch
+import torch
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# JSON as a model writes it by default (", " and ": "), one way only: flexible whitespace lets a model
+# pad forever where the grammar cannot end, and costs mask time for nothing
+_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match. kind: "json_schema" (source: the schema as JSON text),
+    "json_object" (any JSON object; source ""), "regex", "choice" (source: a JSON array of strings)
+    or "grammar" (Lark, or GBNF as llama.cpp writes it)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"structured output kind {self.kind!r} is unknown; use one of {list(KINDS)}")
+        if not isinstance(self.source, str):
+            raise GrammarError(f"a {self.kind} is given as text, not {type(self.source).__name__}")
+        if self.kind == "choice":
+            try:
+                choices = json.loads(self.source)
+            except json.JSONDecodeError:
+                choices = None
+            if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+                raise GrammarError(f"a choice is a non-empty JSON array of strings, not {self.source[:60]!r}")
+
+    @classmethod
+    def from_dict(cls, value: GrammarSpec | dict) -> GrammarSpec:
+        """A spec from itself or its fields (how it travels to the ranks)."""
+        return value if isinstance(value, cls) else cls(**value)
+
+    def _llguidance(self) -> str:
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.source)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"the JSON schema is not JSON: {e}") from None
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
+        if self.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_DEFAULTS)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.source)
+        try:
+            return llguidance.grammar_from("choice" if self.kind == "choice" else "grammar", self.source)
+        except ValueError as e:
+            raise GrammarError(f"the {self.kind} does not compile: {e}") from None
+
+
+class Matcher:
+    """One request's position in its grammar (see the module docstring)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self._m = matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of bitmask [B, ceil(V / 32)] int32 (CPU): bit t set iff token t may come next."""
+        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+
+    def accept(self, tokens: list[int]) -> int:
+        """Advance by the longest prefix of `tokens` the grammar allows; how many that was."""
+        n = self._m.validate_tokens(tokens)
+        if n and not self._m.consume_tokens(tokens[:n]):
+            raise RuntimeError(f"the grammar took {tokens[:n]} when validating but not when consuming: "
+                               f"{self._m.get_error()}")
+        return n
+
+    def rollback(self, n: int) -> None:
+        """Take back the last `n` accepted tokens."""
+        if n and not self._m.rollback(n):
+            raise RuntimeError(f"the grammar could not take back {n} tokens: {self._m.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The output is complete: only the end of sequence may come next."""
+        return self._m.is_stopped()
+
+
+class Grammars:
+    """Compiles specs for one tokenizer and model vocabulary (`vocab_size` ≥ the tokenizer's ids)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int, cache_size: int = 256):
+        self.vocab_size, self.cache_size = vocab_size, cache_size
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_id)
+        self._compiled: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
+
+    @property
+    def bitmask_words(self) -> int:
+        """int32 words of a bitmask row."""
+        return (self.vocab_size + 31) // 32
+
+    def matcher(self, spec: GrammarSpec, tokens: list[int] = ()) -> Matcher:
+        """A matcher at the start of `spec`, advanced over `tokens` (output so far); GrammarError if
+        the spec does not compile or the tokens do not follow it."""
+        template = self._compiled.get(spec)
+        if template is None:
+            grammar = spec._llguidance()
+            error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+            if error:
+                raise GrammarError(f"the {spec.kind.replace('_', ' ')} does not compile: {error.strip()}")
+            template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            if template.is_error():
+                raise GrammarError(f"the {spec.kind.replace('_', ' ')} does not compile: {template.get_error()}")
+            self._compiled[spec] = template
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(spec)
+        m = Matcher(template.deep_copy())
+        if tokens and m.accept(list(tokens)) != len(tokens):
+            raise GrammarError(f"the output so far ({len(tokens)} tokens) does not follow the {spec.kind}")
+        return m
