@@ -142,8 +142,7 @@ class LogitAdjustments:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     words: tuple[torch.Tensor, ...] | None = None
     penalties: tuple[torch.Tensor, ...] | None = None
-    history: TokenHistory | None = None
-    catch_up: CatchUp | None = None
+    catch_up: CatchUp | None = None  # with penalties
 
     def prepare(self) -> None:
         """On the forward thread, once the input ids' pending tokens are filled in: the history's writes."""
@@ -188,10 +187,11 @@ class LogitAdjustments:
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
         rows, slots, presence, frequency, repetition, draft_rows, draft_ids = self.penalties
-        counts = self.history.counts[slots]  # [P, V]
+        history = self.catch_up.history
+        counts = history.counts[slots]  # [P, V]
         if draft_rows.numel():
             counts.index_put_((draft_rows, draft_ids), torch.ones_like(draft_ids, dtype=counts.dtype), accumulate=True)
-        seen = self.history.seen[slots] | (counts > 0)
+        seen = history.seen[slots] | (counts > 0)
         sub = logits[rows]
         rep = repetition[:, None]
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
@@ -285,7 +285,6 @@ def build_adjustments(chunks: list[ChunkRows], num_rows: int, input_ids: torch.T
                      _ids([w[-1] for _, w, _, _ in words], device),
                      _ids([v for _, _, v, _ in words], device), _ids([x for _, _, _, x in words], device))
     if pen[0]:
-        out.history = history
         out.catch_up = history.plan([c for c in chunks if c.request.params.penalized])
         out.penalties = (*(_ids(x, device) for x in pen[:2]), *(_ids(x, device, torch.float32) for x in pen[2:5]),
                          _ids(pen[5], device), _ids(pen[6], device))

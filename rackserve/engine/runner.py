@@ -219,18 +219,20 @@ class Runner:
                      if c.samples and c.request.handle.num_tokens + len(ids) - num_drafts[i] == c.start + c.num_tokens]
         first_row = [0, *itertools.accumulate(1 + n for n in num_drafts)]
         fill = None
-        pending = [] if previous is None else [  # only a step built while another is in flight has any
-            (offset + j, previous.index[id(c.request)]) for (c, ids), offset in
-            zip(part, itertools.accumulate([0, *lens])) for j, t in enumerate(ids) if t == PENDING]
-        if pending:
-            fill = tuple(torch.tensor(x, device=self.device) for x in zip(*pending))
-        # per finishing chunk, the positions of its pending tokens -> their rows in the input ids
-        offsets = list(itertools.accumulate([0, *lens]))
-        pending_at = {i: {c.start + c.num_tokens + len(c.draft_ids) - len(ids) + j: offsets[i] + j
-                          for j, t in enumerate(ids) if t == PENDING}
-                      for i, (c, ids) in enumerate(part) if i in finishing}
+        pending_at: dict[int, dict[int, int]] = {}  # chunk -> {position of a pending token: its input row}
+        if previous is not None:  # only a step built while another is in flight has any
+            pending, offset = [], 0
+            for i, (c, ids) in enumerate(part):
+                first = c.start + c.num_tokens + len(c.draft_ids) - len(ids)  # the position of ids[0]
+                for j, t in enumerate(ids):
+                    if t == PENDING:
+                        pending.append((offset + j, previous.index[id(c.request)]))
+                        pending_at.setdefault(i, {})[first + j] = offset + j
+                offset += len(ids)
+            if pending:
+                fill = tuple(torch.tensor(x, device=self.device) for x in zip(*pending))
         sampling = self._sampling([part[i][0] for i in finishing], [first_row[i] for i in finishing],
-                                  [pending_at[i] for i in finishing], batch.input_ids)
+                                  [pending_at.get(i, {}) for i in finishing], batch.input_ids)
         forward = _Forward(part, requests, num_drafts, shape, batch, lens, rows, speculative, finishing, sampling, fill)
         if self.drafter is None:
             for chunk, ids in part:
@@ -341,8 +343,8 @@ class Runner:
         counters = [r.num_known - 1 - r.num_prompt + i for r, n in zip(reqs, counts) for i in range(n)]
         firsts = itertools.accumulate([0, *counts])
         adjust = build_adjustments([ChunkRows(c.request, c.request.handle.slot, c.start + c.num_tokens, c.draft_ids,
-                                              first, at) for c, first, at in zip(chunks, firsts, pending)],
-                                   len(rows), input_ids, self.history)
+                                              first, at) for c, first, at in zip(chunks, firsts, pending)
+                                    if c.request.params.adjusts_logits], len(rows), input_ids, self.history)
         batch = SamplingBatch.build(params, [r.seed for r, n in zip(reqs, counts) for _ in range(n)], counters,
                                     self.device, adjust)
         drafts = None

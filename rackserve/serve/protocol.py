@@ -145,6 +145,11 @@ def _model(body: dict, served_models: list[str]) -> str:
     return model
 
 
+def _asks_for(value: object, allowed: tuple) -> bool:
+    """Whether `value` is one of `allowed`, JSON type included (== takes true for 1 and 1.0 for 1)."""
+    return any(value == a and type(value) is type(a) for a in allowed)
+
+
 def _check_fields(body: dict, endpoint: str) -> None:
     """Every field of `body` is honoured, or asks for what this server does anyway; else a 400 naming it."""
     honoured = fields.HONOURED[endpoint]
@@ -156,8 +161,7 @@ def _check_fields(body: dict, endpoint: str) -> None:
             continue
         if name in refused:
             allowed, why = refused[name]
-            # == would take true for 1 and 1.0 for 1: a JSON type must match too
-            if not any(value == a and type(value) is type(a) for a in allowed):
+            if not _asks_for(value, allowed):
                 fix = f"remove it or send {' or '.join(_show(a) for a in allowed)}" if allowed else "remove it"
                 raise _invalid(f"{name}={_show(value)} is not supported by this server ({why}); {fix}", name)
             continue
@@ -192,28 +196,6 @@ def _max_tokens(body: dict, name: str) -> int | None:
     return value
 
 
-def _stop(body: dict) -> tuple[str, ...] | None:
-    value = body.get("stop")
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        if len(value) > MAX_STOP:
-            raise _invalid(f"stop has {len(value)} strings; send at most {MAX_STOP}", "stop")
-        return tuple(value)
-    raise _invalid(f"stop must be a string or an array of strings, not {_json_type(value)} {_show(value)}", "stop")
-
-
-def _token_ids(body: dict, name: str) -> tuple[int, ...] | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, list) and all(_is_int(t) for t in value):
-        return tuple(value)
-    raise _invalid(f"{name} must be an array of integers, not {_json_type(value)} {_show(value)}", name)
-
-
 def _strings(body: dict, name: str) -> tuple[str, ...] | None:
     value = body.get(name)
     if value is None:
@@ -223,6 +205,22 @@ def _strings(body: dict, name: str) -> tuple[str, ...] | None:
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return tuple(value)
     raise _invalid(f"{name} must be a string or an array of strings, not {_json_type(value)} {_show(value)}", name)
+
+
+def _stop(body: dict) -> tuple[str, ...] | None:
+    stop = _strings(body, "stop")
+    if stop is not None and len(stop) > MAX_STOP:
+        raise _invalid(f"stop has {len(stop)} strings; send at most {MAX_STOP}", "stop")
+    return stop
+
+
+def _token_ids(body: dict, name: str) -> tuple[int, ...] | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, list) and all(_is_int(t) for t in value):
+        return tuple(value)
+    raise _invalid(f"{name} must be an array of integers, not {_json_type(value)} {_show(value)}", name)
 
 
 # vLLM's `structured_outputs` keys: one of these says what to follow...
@@ -264,7 +262,7 @@ def _structured(body: dict) -> GrammarSpec | None:
         if key in _STRUCTURED_KINDS or value is None:
             continue
         allowed = _STRUCTURED_DEFAULTS.get(key)
-        if allowed is None or not any(value == a and type(value) is type(a) for a in allowed):
+        if allowed is None or not _asks_for(value, allowed):
             raise _invalid(f"structured_outputs.{key}={_show(value)} is not supported by this server; it takes one "
                            f"of {list(_STRUCTURED_KINDS)}", "structured_outputs")
     if len(given) != 1:
