@@ -109,3 +109,23 @@ def test_a_restarted_decode_rank_gets_pushes_once_its_predecessor_is_forgotten(t
     got, _ = run(prefill, successor, work)
     assert_like_single_engine(tiny_checkpoint, work, got)
     assert prefill.stats()["kv_push_failures"] == 0 and successor.stats()["kv_loaded"] == len(work)
+
+
+def test_choices_fork_on_the_decode_rank_from_one_pushed_prefill(tiny_checkpoint):
+    """n > 1 through P/D: the prefill rank pushes the prompt but its last token, once; the decode rank
+    forks the choices there, each the same as the single engine's."""
+    prefill, decode = pair(tiny_checkpoint, LocalAgent)
+    ids = prompt(40, seed=5)
+    params = SamplingParams(n=3, temperature=0.9, seed=21, max_tokens=7, ignore_eos=True)
+    prefill.add_request(ids, params, request_id="c", push_to=decode.reserve_push(ids, params, request_id="c"))
+    tokens: dict[int, list[int]] = {}
+    while prefill.has_unfinished() or decode.has_unfinished():
+        prefill.step()
+        for out in decode.step():
+            tokens.setdefault(out.index, []).extend(out.new_token_ids)
+    want = LLM(tiny_checkpoint).generate(ids, params)
+    assert [tokens[i] for i in range(3)] == [c.token_ids for c in want]
+    p, d = prefill.stats(), decode.stats()
+    assert p["kv_pushed"] == d["kv_loaded"] == 1 and p["prefill_tokens"] == len(ids) - 1
+    assert d["prefill_tokens"] == 3  # each choice's last prompt token
+    assert p["kv_bytes_out"] == decode.cache.state.blob_nbytes(len(ids) - 1)

@@ -173,12 +173,12 @@ def test_a_completion_joins_its_outputs():
     first, second = TokenLogprobs(1, -0.5, [(1, -0.5)]), TokenLogprobs(3, -0.1, [(3, -0.1)])
     outs = [RequestOutput("r", [1, 2], "ab", False, new_logprobs=[first], num_cached_tokens=16),
             RequestOutput("r", [3], "c", True, "stop", [second], num_cached_tokens=16)]
-    c = Completion.from_outputs("r", [9, 8], outs, logprobs=True)
+    [c] = Completion.from_outputs("r", [9, 8], outs, logprobs=True)
     assert (c.prompt_token_ids, c.token_ids, c.text, c.finish_reason) == ([9, 8], [1, 2, 3], "abc", "stop")
     assert (c.num_cached_tokens, c.logprobs, c.error) == (16, [first, second], None)
-    cut = Completion.from_outputs("r", [9, 8], outs[:1])  # the stream ended early: aborted
+    [cut] = Completion.from_outputs("r", [9, 8], outs[:1])  # the stream ended early: aborted
     assert (cut.token_ids, cut.finish_reason, cut.logprobs) == ([1, 2], "abort", None)
-    refused = Completion.from_outputs("r", [9], [RequestOutput("r", [], "", True, "error", error="too long")])
+    [refused] = Completion.from_outputs("r", [9], [RequestOutput("r", [], "", True, "error", error="too long")])
     assert (refused.token_ids, refused.finish_reason, refused.error) == ([], "error", "too long")
 
 

@@ -106,6 +106,12 @@ def test_dep2_instance(ray_cluster, tiny_checkpoint):
             [c] = inst.generate(["config = "], SamplingParams(structured=spec, max_tokens=160, temperature=0.8, seed=i))
             assert c.finish_reason == "stop", c.text
             jsonschema.validate(json.loads(c.text), schema)
+
+        # n choices fork on one rank of the gang, each its seed alone in the single-process engine
+        choices = SamplingParams(n=3, max_tokens=10, temperature=0.9, seed=8, ignore_eos=True, presence_penalty=0.5)
+        got = inst.generate([STAGGERED[0], STAGGERED[1]], choices)
+        want = LLM(tiny_checkpoint).generate([STAGGERED[0], STAGGERED[1]], choices)
+        assert [(c.index, c.token_ids) for c in got] == [(c.index, c.token_ids) for c in want]
     finally:
         inst.shutdown()
 

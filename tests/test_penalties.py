@@ -252,7 +252,7 @@ def test_a_resumed_request_goes_on_as_if_it_had_never_stopped():
     [whole] = LLM("tiny-code").generate([text], p)
     engine = LLM("tiny-code").engine
     for k in (1, 7, 15):
-        req = engine.add_request(text, p, request_id=f"resume-{k}", resumed=whole.token_ids[:k])
+        req = engine.add_request(text, p, request_id=f"resume-{k}", resumed={0: whole.token_ids[:k]})
         outputs = []
         while not req.finished:
             outputs += [o for o in engine.step() if o.request_id == req.request_id]
@@ -260,5 +260,5 @@ def test_a_resumed_request_goes_on_as_if_it_had_never_stopped():
         assert outputs[-1].num_output_tokens == len(whole.token_ids)
         assert "".join(o.new_text for o in outputs) == whole.text[len(engine.tokenizer.decode(whole.token_ids[:k])):]
     with pytest.raises(ValueError, match="leave nothing to generate"):
-        engine.add_request(text, p, resumed=whole.token_ids)
+        engine.add_request(text, p, resumed={0: whole.token_ids})
 

@@ -29,9 +29,11 @@ from rackserve.serve.protocol import (
 from rackserve.serve.responses import (
     SSE_DONE,
     Usage,
+    chat_choice,
     chat_chunk,
     chat_logprobs,
     chat_response,
+    completion_choice,
     completion_chunk,
     completion_logprobs,
     completion_response,
@@ -152,10 +154,10 @@ def test_chat_max_completion_tokens():
     assert_400(bad_chat(max_tokens=4, max_completion_tokens=5), "max_tokens", "disagree")
 
 
-def test_n_must_be_one():
-    assert completion(n=1).max_tokens == 16
-    for err in (bad_completion(n=2), bad_chat(n=2)):
-        assert_400(err, "n", "n must be 1: this server returns one choice per request")
+def test_n_choices_from_1_to_128():
+    assert completion(n=1).base_params.n == 1 and chat(n=3).base_params.n == 3
+    for err in (bad_completion(n=0), bad_chat(n=129)):
+        assert_400(err, "n", "is out of range", "1 ≤ n ≤ 128")
 
 
 def test_at_most_four_stop_strings():
@@ -265,6 +267,7 @@ HONOURED = {  # field -> (a value asking for something, what the parsed request 
     "max_tokens": (7, lambda r: r.max_tokens == 7),
     "max_completion_tokens": (7, lambda r: r.max_tokens == 7),
     "seed": (9, lambda r: r.base_params.seed == 9),
+    "n": (2, lambda r: r.base_params.n == 2),
     "stop": (["x"], lambda r: r.base_params.stop == ("x",)),
     "stream": (True, lambda r: r.stream),
     "stream_options": ({"include_usage": True}, lambda r: r.include_usage),  # sent with stream: true
@@ -300,7 +303,7 @@ ASKING = {  # refused fields: a value that asks for something this server does n
     "return_token_ids": True, "return_token_offsets": True, "return_prompt_text": True,
     "routed_experts_prompt_start": 0, "cache_salt": "s", "kv_transfer_params": {"x": 1},
     "ec_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "repetition_detection": {"x": 1},
-    "thinking_token_budget": 10, "include_reasoning": False, "stream_interval": 4, "n": 2,
+    "thinking_token_budget": 10, "include_reasoning": False, "stream_interval": 4,
 }
 
 
@@ -483,7 +486,7 @@ def test_ids_usage_and_finish_reasons():
 
 
 def test_completion_shapes():
-    body = completion_response("cmpl-1", "tiny", "Hi there", "length", Usage(2, 3))
+    body = completion_response("cmpl-1", "tiny", [completion_choice("Hi there", "length")], Usage(2, 3))
     assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
     assert (body["id"], body["object"], body["model"]) == ("cmpl-1", "text_completion", "tiny")
     assert isinstance(body["created"], int)
@@ -497,7 +500,7 @@ def test_completion_shapes():
 
 
 def test_chat_shapes():
-    body = chat_response("chatcmpl-1", "tiny", "Hello!", "stop", Usage(5, 2, 1))
+    body = chat_response("chatcmpl-1", "tiny", [chat_choice("Hello!", "stop")], Usage(5, 2, 1))
     assert (body["object"], body["usage"]["prompt_tokens_details"]) == ("chat.completion", {"cached_tokens": 1})
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello!"}, "logprobs": None,
                                 "finish_reason": "stop"}]
@@ -508,6 +511,15 @@ def test_chat_shapes():
     last = chat_chunk("chatcmpl-1", "tiny", None, "length", role=False)["choices"][0]
     assert (last["delta"], last["finish_reason"]) == ({}, "length")
     assert usage_chunk("chatcmpl-1", "tiny", Usage(5, 2), chat=True)["object"] == "chat.completion.chunk"
+
+
+def test_n_choices_carry_their_index():
+    body = chat_response("c", "tiny", [chat_choice("a", "stop", index=0), chat_choice("b", "length", index=1)],
+                         Usage(5, 4))
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "a", "stop"), (1, "b", "length")]
+    assert completion_chunk("c", "tiny", "x", None, index=2)["choices"][0]["index"] == 2
+    assert chat_chunk("c", "tiny", None, None, role=True, index=3)["choices"][0]["index"] == 3
 
 
 def test_sse_framing():
@@ -547,8 +559,9 @@ def test_openai_client_bodies_parse_and_responses_parse_back():
         req = parse_chat(body, SERVED) if chat_api else parse_completion(body, SERVED)
         rid, usage = new_request_id(chat_api), Usage(3, 2)
         if not req.stream:
+            choice = (chat_choice if chat_api else completion_choice)("Hi!", "stop")
             build = chat_response if chat_api else completion_response
-            return httpx.Response(200, json=build(rid, "tiny", "Hi!", "stop", usage))
+            return httpx.Response(200, json=build(rid, "tiny", [choice], usage))
         if chat_api:
             chunks = [chat_chunk(rid, "tiny", None, None, role=True), chat_chunk(rid, "tiny", "Hi!", None),
                       chat_chunk(rid, "tiny", None, "stop")]

@@ -97,6 +97,41 @@ def test_penalties_biases_and_bans_over_http_are_the_python_apis(client, tiny_ch
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body={"temprature": 0})
 
 
+def test_n_choices_over_http_are_the_python_apis_with_their_seeds(client, tiny_checkpoint):
+    """n = 3 through P/D (the prefill rank pushes the prompt once, the decode rank forks the choices):
+    completions and chat, whole and streamed with each chunk's index, each choice the Python API's;
+    usage counts the prompt once and every choice's tokens; echo starts each choice with the prompt."""
+    p = dict(temperature=0.9, seed=4, max_tokens=8)
+    want = [c.text for c in LLM(tiny_checkpoint).generate([PROMPT], SamplingParams(n=3, ignore_eos=True, **p))]
+    extra = {"ignore_eos": True}
+    done = client.completions.create(model="tiny", prompt=PROMPT, n=3, extra_body=extra, **p)
+    assert [c.index for c in done.choices] == [0, 1, 2] and [c.text for c in done.choices] == want
+    assert done.usage.completion_tokens == 24
+    assert done.usage.prompt_tokens == len(Tokenizer(tiny_checkpoint).encode(PROMPT))
+    texts = ["", "", ""]
+    for chunk in client.completions.create(model="tiny", prompt=PROMPT, n=3, stream=True, extra_body=extra, **p):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == want
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, n=2, echo=True, extra_body=extra, **p)
+    assert [c.text for c in echoed.choices] == [PROMPT + t for t in want[:2]]
+
+    messages = [{"role": "user", "content": "Where is the rack?"}]
+    tok = Tokenizer(tiny_checkpoint)
+    ids = tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    want = [c.text for c in LLM(tiny_checkpoint).generate([ids], SamplingParams(n=2, ignore_eos=True, **p))]
+    chat = client.chat.completions.create(model="tiny", messages=messages, n=2, extra_body=extra, **p)
+    assert [c.message.content for c in chat.choices] == want
+    texts, finished = ["", ""], set()
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, n=2, stream=True, extra_body=extra,
+                                                **p):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert texts == want and finished == {0, 1}
+
+
 @pytest.mark.slow
 def test_50_json_schema_requests_streamed_over_http_validate(client):
     """Through P/D (the decode rank rebuilds each grammar from the first token the prefill rank sampled),

@@ -15,16 +15,15 @@ and KV stores and keeps them alive; a client, one per process that takes request
 
 Anything failing on the way (a transfer, a prefill instance, a KV store) costs recomputation on the
 decode rank, not the request. A decode gang that fails is restarted by its owner, and its requests
-are *replayed*: each is submitted again with its prompt followed by the tokens already streamed as
-the new prompt (and that many fewer tokens to generate), on whichever decode rank the router picks
+are *replayed*: each is submitted again with its prompt and, resumed, the tokens each of its
+unfinished choices already streamed, on whichever decode rank the router picks
 (another instance's at once, if there is one serving: the failed one is avoided until its fresh
-gang is up), and its stream goes on from there; the caller sees a pause, not an error. A greedy request's
-output is the one an undisturbed run gives (the replayed prompt is prefilled instead of decoded,
-which changes only the floats' summation order); a seeded sampled one goes on with other random
-draws (its sampler's counter restarts). Text held back at the failure for a possible stop string
-is sent on, but a stop string that straddles the failure point is not recognised. A request that
-cannot be replayed within `REPLAY_S` of its failure ends with an `InstanceError` saying so. What the
-client holds per request lives only while the request runs.
+gang is up), and its stream goes on from there; the caller sees a pause, not an error. A greedy or
+seeded request's output is the one an undisturbed run gives (the resumed tokens are prefilled
+instead of decoded, which changes only the floats' summation order). Text held back at the failure
+for a possible stop string is sent on, but a stop string that straddles the failure point is not
+recognised. A request that cannot be replayed within `REPLAY_S` of its failure ends with an
+`InstanceError` saying so. What the client holds per request lives only while the request runs.
 """
 
 from __future__ import annotations
@@ -63,8 +62,9 @@ class DeploymentOwner(GangOwner, Protocol):
 
 @dataclass
 class _Route:
-    """Where a request runs, and what replaying it takes: its prompt, parameters and session, the
-    tokens streamed so far and the characters of text sent."""
+    """Where a request runs, and what replaying it takes: its prompt, parameters and session, and per
+    choice (`SamplingParams.n`) the tokens streamed so far, the characters of text sent, whether it
+    finished."""
 
     request_id: str
     decode: RankKey | None
@@ -72,10 +72,11 @@ class _Route:
     ids: list[int]
     params: SamplingParams
     session: str | None
-    tokens: list[int] = field(default_factory=list)
-    sent: int = 0  # characters of text streamed
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    sent: dict[int, int] = field(default_factory=dict)  # characters of text streamed
+    done: set[int] = field(default_factory=set)  # choices finished
     replays: int = 0  # attempts to replay it so far
-    held: str = ""  # text held back at the failure, sent with the replay's first output
+    held: dict[int, str] = field(default_factory=dict)  # text held back at the failure, sent with the next output
 
     @property
     def engine_id(self) -> str:
@@ -86,11 +87,12 @@ class _Route:
         """An output as the request's own: its id, counts and text as if it had never stopped."""
         if self.replays:
             # the ranks count the resumed tokens as output; a prefix hit may reach into them
-            out = replace(out, request_id=self.request_id, new_text=self.held + out.new_text,
+            out = replace(out, request_id=self.request_id, new_text=self.held.pop(out.index, "") + out.new_text,
                           num_cached_tokens=min(out.num_cached_tokens, len(self.ids)))
-            self.held = ""
-        self.tokens += out.new_token_ids
-        self.sent += len(out.new_text)
+        self.tokens.setdefault(out.index, []).extend(out.new_token_ids)
+        self.sent[out.index] = self.sent.get(out.index, 0) + len(out.new_text)
+        if out.finish_reason is not None:
+            self.done.add(out.index)
         return out
 
 
@@ -174,11 +176,13 @@ class DeploymentClient:
             raise
         return request_id
 
-    def _place(self, route: _Route, resumed: list[int] | None = None) -> None:
+    def _place(self, route: _Route, resumed: dict[int, list[int]] | None = None) -> None:
         """Reserve a decode rank for `route`'s request and have a prefill rank push it there; `resumed`:
-        the output it generated before (a replay), prefilled with the prompt."""
+        per choice left, the output it generated before (a replay), prefilled with the prompt."""
         ids, params = route.ids, route.params
-        context = ids + (resumed or [])
+        # what the prefill rank computes: the prompt and the output of a single choice; the prompt
+        # (but its last token) of several, which fork on the decode rank
+        context = ids + resumed[next(iter(resumed))] if resumed is not None and len(resumed) == 1 else ids
         failed = {name for name, client in self.decode.items() if not client.serving}
         with self._lock:
             decode_at = route.decode = self.router.decode_rank(route.session, len(context) + params.max_tokens, failed)
@@ -202,40 +206,47 @@ class DeploymentClient:
             except InstanceError:
                 pass
 
-    def _replay(self, route: _Route, error: InstanceError) -> RequestOutput | None:
+    def _replay(self, route: _Route, error: InstanceError) -> list[RequestOutput]:
         """Submit `route`'s request again after its decode gang failed with `error`: its prompt, with the
-        tokens streamed so far resumed (`Engine.add_request`: it goes on as if it had never stopped, its
-        seeded draws, penalties and min_tokens included). Tries for `REPLAY_S`, then
-        raises an `InstanceError` saying so. A request that had nothing left to generate gets its
-        last output (finished) instead."""
+        tokens each unfinished choice streamed so far resumed (`Engine.add_request`: it goes on as if it
+        had never stopped, its seeded draws, penalties and min_tokens included). Tries for `REPLAY_S`,
+        then raises an `InstanceError` saying so. A choice that had nothing left to generate gets its
+        last output instead: those are returned (the last of them finishes the request when no choice
+        is left to replay)."""
         if self._closed:  # the deployment is stopping: nothing to replay on
             raise error
-        left = route.params.max_tokens - len(route.tokens)
-        if left <= 0:
-            return RequestOutput(route.request_id, [], "", True, "length", num_prompt_tokens=len(route.ids),
-                                 num_output_tokens=len(route.tokens))
-        route.held = self._held_text(route)
+        left = [i for i in range(route.params.n) if i not in route.done]
+        route.held = {i: self._held_text(route, i) for i in left}
+        over = [i for i in left if len(route.tokens.get(i, [])) >= route.params.max_tokens]
+        ended = [RequestOutput(route.request_id, [], route.held.pop(i), False, "length", index=i,
+                               num_prompt_tokens=len(route.ids), num_output_tokens=len(route.tokens[i])) for i in over]
+        resumed = {i: list(route.tokens.get(i, [])) for i in left if i not in over}
+        if not resumed:
+            ended[-1].finished = True
+            return ended
         route.replays += 1  # a new engine id
         self.replayed += 1
         deadline = time.monotonic() + REPLAY_S
         while True:
             try:
-                self._place(route, list(route.tokens))
-                return None
+                self._place(route, resumed)
+                return ended
             except InstanceError as e:
                 if time.monotonic() + REPLAY_RETRY_S > deadline or self._closed:
-                    raise InstanceError(f"{error}; replaying it (prompt + the {len(route.tokens)} tokens "
+                    streamed = sum(len(t) for t in resumed.values())
+                    raise InstanceError(f"{error}; replaying it (prompt + the {streamed} tokens "
                                         f"streamed) failed for {REPLAY_S:.0f} s: {e}") from None
                 route.replays += 1
                 time.sleep(REPLAY_RETRY_S)
 
-    def _held_text(self, route: _Route) -> str:
-        """Text of the tokens streamed so far that was not sent yet (held back for a stop string)."""
-        if self.tokenizer is None or not route.tokens:
+    def _held_text(self, route: _Route, index: int) -> str:
+        """Text of the tokens choice `index` streamed so far that was not sent yet (held back for a stop string)."""
+        tokens = route.tokens.get(index)
+        if self.tokenizer is None or not tokens:
             return ""
         detok = IncrementalDetokenizer(self.tokenizer, route.ids, skip_special_tokens=route.params.skip_special_tokens)
-        text = detok.add(route.tokens) + detok.flush()
-        return text[route.sent:]
+        text = detok.add(tokens) + detok.flush()
+        return text[route.sent.get(index, 0):]
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
@@ -255,10 +266,9 @@ class DeploymentClient:
                         finished = out.finished
                         yield route.renumber(out)
                 except InstanceError as e:
-                    last = self._replay(route, e)
-                    if last is not None:
-                        finished = True
-                        yield last
+                    for out in self._replay(route, e):
+                        finished = out.finished
+                        yield route.renumber(out)
         finally:
             self._end(request_id, finished)
 
@@ -272,10 +282,9 @@ class DeploymentClient:
                         finished = out.finished
                         yield route.renumber(out)
                 except InstanceError as e:
-                    last = await asyncio.to_thread(self._replay, route, e)
-                    if last is not None:
-                        finished = True
-                        yield last
+                    for out in await asyncio.to_thread(self._replay, route, e):
+                        finished = out.finished
+                        yield route.renumber(out)
         finally:  # not awaited: under a cancelled task (a client gone) an await here would not run
             asyncio.get_running_loop().run_in_executor(None, self._end, request_id, finished)
 
@@ -289,14 +298,15 @@ class DeploymentClient:
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  sessions: list[str | None] | None = None) -> list[Completion]:
-        """Run prompts to completion; their completions, in order (input the engine refused ends with
-        its `error`)."""
+        """Run prompts to completion; their completions, in order (a prompt's n choices one after
+        another; input the engine refused ends with its `error`)."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         prompts = [self._token_ids(p) for p in prompts]
         ids = [self.submit(p, sp, s) for p, sp, s in zip(prompts, params_list, sessions or [None] * len(prompts),
                                                           strict=True)]
-        return [Completion.from_outputs(request_id, p, self.stream(request_id), logprobs=sp.logprobs is not None)
-                for request_id, p, sp in zip(ids, prompts, params_list, strict=True)]
+        return [c for request_id, p, sp in zip(ids, prompts, params_list, strict=True)
+                for c in Completion.from_outputs(request_id, p, self.stream(request_id),
+                                                 logprobs=sp.logprobs is not None)]
 
     @property
     def inflight(self) -> int:

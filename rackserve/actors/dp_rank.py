@@ -41,7 +41,7 @@ class AddRequest:
     params: SamplingParams
     push_to: KVReservation | None
     cached: tuple[int, RemoteRegion] | None
-    resumed: list[int]
+    resumed: dict[int, list[int]] | None
 
 
 @dataclass
@@ -107,8 +107,8 @@ class DPRank(GangMember):
 
         self._call(connect)
 
-    def reserve(self, request_id: str, prompt: str | list[int], params: dict, resumed: list[int] | None = None,
-                consumer: str = "") -> list | None:
+    def reserve(self, request_id: str, prompt: str | list[int], params: dict,
+                resumed: dict[int, list[int]] | None = None, consumer: str = "") -> list | None:
         """Decode side: a reservation for a request another rank prefills (wire form), or None when
         the pool is full and this rank prefills it itself. `resumed`: see `Engine.add_request`;
         `consumer` polls for its outputs."""
@@ -152,7 +152,8 @@ class DPRank(GangMember):
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: dict, push_to: list | None = None,
-               cached: tuple[int, list] | None = None, resumed: list[int] | None = None, consumer: str = "") -> None:
+               cached: tuple[int, list] | None = None, resumed: dict[int, list[int]] | None = None,
+               consumer: str = "") -> None:
         """Queue a request; raises here (not in the loop) for parameters the engine cannot take.
         `push_to`: a decode rank's reservation (wire form): prefill only and push the state there;
         `cached`: (tokens, wire region) of a prefix of the prompt in a KV store; `resumed`: see
@@ -161,7 +162,7 @@ class DPRank(GangMember):
         if self.error:  # the caller learns now, before the request is lost
             raise RuntimeError(self.error)
         add = AddRequest(request_id, prompt, sampling, KVReservation.from_wire(push_to) if push_to else None,
-                         (cached[0], RemoteRegion.from_wire(cached[1])) if cached else None, list(resumed or ()))
+                         (cached[0], RemoteRegion.from_wire(cached[1])) if cached else None, resumed)
         with self._lock:
             self._inbox.append(add)
             if push_to is None:  # a pushed request's outputs belong to its decode rank

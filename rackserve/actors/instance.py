@@ -171,16 +171,17 @@ class Instance:
         self.client.abort(request_id, rank)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[Completion]:
-        """Run prompts to completion across the ranks; their completions, in order (input the engine
-        refused ends with its `error`). Text is encoded here, as a rank would, for `prompt_token_ids`."""
+        """Run prompts to completion across the ranks; their completions, in order (a prompt's n choices
+        one after another; input the engine refused ends with its `error`). Text is encoded here, as a
+        rank would, for `prompt_token_ids`."""
         params = params or SamplingParams()
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) and self.tokenizer is not None else p
                    for p in prompts]
         ids = [self.client.submit(p, params) for p in prompts]
         # text left over (no tokenizer) is refused by the rank: no token ids to report
-        return [Completion.from_outputs(request_id, [] if isinstance(p, str) else list(p),
-                                        self.client.stream(request_id), logprobs=params.logprobs is not None)
-                for request_id, p in zip(ids, prompts, strict=True)]
+        return [c for request_id, p in zip(ids, prompts, strict=True)
+                for c in Completion.from_outputs(request_id, [] if isinstance(p, str) else list(p),
+                                                 self.client.stream(request_id), logprobs=params.logprobs is not None)]
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer | None:

@@ -96,7 +96,7 @@ class InstanceClient:
     # ---- requests ------------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                rank: int | None = None, push_to: list | None = None, cached: tuple[int, list] | None = None,
-               resumed: list[int] | None = None) -> str:
+               resumed: dict[int, list[int]] | None = None) -> str:
         """Queue a request on DP rank `rank` (default: the one streaming the fewest of ours); returns its
         id. A gang found dead here is restarted first, so the request is served. `push_to`/`cached`: see
         `DPRank.submit` (disaggregated prefill); `resumed`: see `Engine.add_request`."""
@@ -106,7 +106,7 @@ class InstanceClient:
         return request_id
 
     def reserve(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                rank: int | None = None, resumed: list[int] | None = None) -> tuple[str, list | None]:
+                rank: int | None = None, resumed: dict[int, list[int]] | None = None) -> tuple[str, list | None]:
         """Decode side of P/D: (request id, a reservation in wire form for the prefill rank, or None
         when the rank's pool is full and it prefills the request itself). Stream it as usual."""
         request_id = request_id or f"{self.consumer}-{secrets.token_hex(4)}"

@@ -12,8 +12,8 @@ Per fault, in turn:
 
 1. TTFT before: p50 of --probes sequential 1-token streamed requests;
 2. --streams concurrent streams, every other one greedy and the rest seeded samples under penalties
-   (distinct prompts of 24 token ids, --osl tokens, EOS ignored), so that a replay must resume their
-   seeded draws and token counts exactly,
+   (distinct prompts of 24 token ids, --osl tokens, EOS ignored; every fourth of two choices), so that
+   a replay must resume their seeded draws and token counts exactly, choice by choice,
    streamed over HTTP through Serve's proxy (httpx, server-sent events); their undisturbed text comes
    from the same requests run once before the fault;
 3. once every stream has its first text, the fault: SIGKILL of a decode DP rank (with EPLB moving
@@ -86,7 +86,8 @@ class App:
 
 @dataclass
 class Outcome:
-    """One streamed request: its text, completion tokens, first-token time (s), and the error it ended with."""
+    """One streamed request: its text (of several choices: theirs in index order, each after a record
+    separator), completion tokens, first-token time (s), and the error it ended with."""
 
     text: str = ""
     tokens: int = 0
@@ -146,15 +147,16 @@ SAMPLED = {"temperature": 0.8, "frequency_penalty": 0.5, "presence_penalty": 0.3
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome | None = None, timeout: float = 120.0,
-           seed: int | None = None) -> Outcome:
-    """Stream one completion of `prompt` (token ids) into `out`, greedy, or sampled under SAMPLED with
-    `seed`; errors end up in `out.error`, a stream cut off before its `[DONE]` included."""
+           seed: int | None = None, n: int = 1) -> Outcome:
+    """Stream one completion of `prompt` (token ids) with `n` choices into `out`, greedy, or sampled under
+    SAMPLED with `seed`; errors end up in `out.error`, a stream cut off before its `[DONE]` included."""
     from rackserve.serve.app import REPLICA_HEADER
 
     out = out or Outcome()
     sampling = {"temperature": 0} if seed is None else {**SAMPLED, "seed": seed}
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **sampling,
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **sampling, "n": n,
             "stream": True, "stream_options": {"include_usage": True}}
+    texts = [""] * n
     t0, done = time.monotonic(), False
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
@@ -169,10 +171,12 @@ def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome | None = N
                 if chunk.get("error"):
                     out.error = chunk["error"]["message"]
                     continue
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    out.ttft = out.ttft if out.ttft is not None else time.monotonic() - t0
-                    out.text += chunk["choices"][0]["text"]
-                    out.started.set()
+                for choice in chunk["choices"]:
+                    if choice["text"]:
+                        out.ttft = out.ttft if out.ttft is not None else time.monotonic() - t0
+                        texts[choice["index"]] += choice["text"]
+                        out.started.set()
+                out.text = "\x1e".join(texts)
                 if chunk.get("usage"):
                     out.tokens = chunk["usage"]["completion_tokens"]
             if out.error is None and not done:
@@ -203,7 +207,8 @@ def run_streams(url: str, batch: list[list[int]], osl: int) -> list[tuple[Outcom
     runs = []
     for i, p in enumerate(batch):
         out = Outcome()
-        thread = threading.Thread(target=stream, args=(url, p, osl, out, 120.0, i if i % 2 else None), daemon=True)
+        seed, n = (i, 2 if i % 4 == 3 else 1) if i % 2 else (None, 1)
+        thread = threading.Thread(target=stream, args=(url, p, osl, out, 120.0, seed, n), daemon=True)
         thread.start()
         runs.append((out, thread))
     return runs

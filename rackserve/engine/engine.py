@@ -96,16 +96,22 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, push_to: KVReservation | None = None,
-                    cached: tuple[int, RemoteRegion] | None = None, resumed: list[int] | None = None) -> Request:
+                    cached: tuple[int, RemoteRegion] | None = None,
+                    resumed: dict[int, list[int]] | None = None) -> Request:
         """Queue a request (text needs a tokenizer); raises `RequestError` for input it cannot serve.
-        With `push_to`, only prefill it (and sample its first token), then push its state there.
+        Returns its first choice (`Request.choices` lists all of them, for `params.n` > 1).
+        With `push_to`, only prefill it (and sample its first token; with n > 1, the prompt but its
+        last token, see `Scheduler`), then push its state there.
         `cached`: (tokens, where) of a prefix of it in a KV store (`PrefixStore.lookup`), read first.
-        `resumed`: output it generated before (a replay after its ranks failed): prefilled with the
-        prompt, and counted as output by max_tokens, min_tokens, the penalties and the seeded draws,
-        so it goes on as if it had never stopped."""
+        `resumed`: per choice index, the output it generated before (a replay after its ranks failed):
+        prefilled with the prompt, and counted as output by max_tokens, min_tokens, the penalties and
+        the seeded draws, so it goes on as if it had never stopped; a choice missing from it finished
+        before and is not run again."""
         req = self._new_request(prompt, params, request_id, resumed)
         if (push_to is not None or cached is not None) and self.kv is None:
             raise RequestError("push_to and cached need an engine with a KV agent (Engine(..., kv=KVAgent(...)))")
+        if push_to is not None:  # the choices fork on the decode rank
+            req.forks = []
         req.push_to = push_to
         if cached is None or not self.kv.pull(req, *cached):
             self.scheduler.add(req)
@@ -117,8 +123,8 @@ class Engine:
         self.kv.attach_store(self.kv.agent.add_peer(agent_metadata), inbox)
         self.scheduler.on_finish = self.kv.put
 
-    def reserve_push(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, resumed: list[int] | None = None) -> KVReservation | None:
+    def reserve_push(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                     resumed: dict[int, list[int]] | None = None) -> KVReservation | None:
         """Take a request whose prompt another rank will prefill and push here (decode side of P/D):
         returns where to push it. None when this rank's transfer pool is full: the request is then
         queued to prefill here. Params must carry a seed, the same as the prefill rank's; `resumed` as
@@ -132,8 +138,10 @@ class Engine:
         return reservation
 
     def _new_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
-                     resumed: list[int] | None = None) -> Request:
-        params, resumed = params or SamplingParams(), list(resumed or ())
+                     resumed: dict[int, list[int]] | None = None) -> Request:
+        """The request's choices, checked (`RequestError`); returns the first, which holds the others
+        as its `forks` when there are several."""
+        params = params or SamplingParams()
         if request_id is not None and (self.scheduler.find(request_id) is not None
                                        or (self.kv is not None and request_id in self.kv.incoming)):
             raise RequestError(f"request id {request_id!r} is already in use; ids must be unique while running")
@@ -148,13 +156,19 @@ class Engine:
             raise RequestError("the prompt is empty; send at least one token")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab}) for this model")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in resumed):
-            raise RequestError(f"resumed token ids must be integers in [0, {vocab}) for this model")
-        if len(resumed) >= params.max_tokens:
-            raise RequestError(f"{len(resumed)} tokens resumed leave nothing to generate under "
-                               f"max_tokens={params.max_tokens}")
+        if resumed is None:
+            resumed = {i: [] for i in range(params.n)}
+        if not resumed or not all(isinstance(i, int) and 0 <= i < params.n for i in resumed):
+            raise RequestError(f"resumed must map some of the choice indexes 0 … {params.n - 1} (n={params.n}) "
+                               "to the tokens each generated before")
+        for tokens in resumed.values():
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+                raise RequestError(f"resumed token ids must be integers in [0, {vocab}) for this model")
+            if len(tokens) >= params.max_tokens:
+                raise RequestError(f"{len(tokens)} tokens resumed leave nothing to generate under "
+                                   f"max_tokens={params.max_tokens}")
         limit = self.config.max_model_len
-        if len(ids) + len(resumed) >= limit:
+        if len(ids) + max(len(t) for t in resumed.values()) >= limit:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; this engine's max_model_len is {limit} (prompt + output), "
                 "so shorten the prompt"
@@ -163,27 +177,34 @@ class Engine:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids with a token-only model")
         if params.bad_words and self.tokenizer is None:
             raise RequestError("bad_words need a tokenizer; use logit_bias of -100 with a token-only model")
-        matcher = None
-        if params.structured is not None:
-            if self.tokenizer is None:
-                raise RequestError("structured outputs need a tokenizer (a grammar is over text)")
-            matcher = self.grammars().matcher(params.structured, resumed)
+        if params.structured is not None and self.tokenizer is None:
+            raise RequestError("structured outputs need a tokenizer (a grammar is over text)")
         for name, given in (("logit_bias", [t for t, _ in params.logit_bias]),
                             ("allowed_token_ids", params.allowed_token_ids or ())):
             if any(t >= vocab for t in given):
                 raise RequestError(f"{name} has token id {max(given)}, past this model's vocabulary of {vocab} "
                                    f"ids; use ids in [0, {vocab})")
-        detok = None
-        if self.tokenizer is not None:
-            # the resumed output's text was sent before: it is context, and counts toward min_tokens
-            detok = IncrementalDetokenizer(self.tokenizer, ids + resumed, stop=params.stop,
-                                           skip_special_tokens=params.skip_special_tokens,
-                                           min_tokens=max(0, params.min_tokens - len(resumed)))
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
-        return Request(request_id or f"req-{next(self._ids)}", ids, params, seed, arrival=next(self._ids),
-                       eos_ids=self.eos_ids, resumed=resumed, bad_words_ids=words, detokenizer=detok,
-                       matcher=matcher)
+        request_id = request_id or f"req-{next(self._ids)}"
+        choices: list[Request] = []
+        for index, tokens in sorted(resumed.items()):
+            matcher = self.grammars().matcher(params.structured, tokens) if params.structured is not None else None
+            detok = None
+            if self.tokenizer is not None:
+                # the resumed output's text was sent before: it is context, and counts toward min_tokens
+                detok = IncrementalDetokenizer(self.tokenizer, ids + tokens, stop=params.stop,
+                                               skip_special_tokens=params.skip_special_tokens,
+                                               min_tokens=max(0, params.min_tokens - len(tokens)))
+            seed = params.choice_seed(index)
+            choices.append(Request(request_id, ids, params, self._seeds.getrandbits(63) if seed is None else seed,
+                                   arrival=next(self._ids), eos_ids=self.eos_ids, resumed=list(tokens),
+                                   bad_words_ids=words, detokenizer=detok, matcher=matcher, index=index))
+        for choice in choices:
+            choice.choices = choices
+        first = choices[0]
+        if len(choices) > 1:
+            first.forks, first.fork_at = choices[1:], len(ids) - 1
+        return first
 
     def grammars(self) -> Grammars:
         """This model's grammar compiler (and its cache), made on first use."""
@@ -244,8 +265,8 @@ class Engine:
         if self.forward_thread is not None:
             return loaded + self._step_async(out, passes, num_passes)
         if num_passes == 0:
-            if self.kv is not None:
-                self.kv.progress()
+            if self.kv is not None:  # a request of n choices is pushed where its schedule forks it
+                self._push_prefilled()
             if busy and not loaded:
                 time.sleep(KV_POLL_S)  # nothing to compute until a transfer lands: yield the CPU
             return loaded
@@ -298,7 +319,7 @@ class Engine:
             handle = self.cache.allocate()
             if handle is None:
                 break
-            num_tokens = inc.num_tokens if inc.pulled else inc.request.num_given
+            num_tokens = inc.num_tokens if inc.pulled else inc.request.num_pushed
             if not self.cache.reserve(handle, num_tokens + 1):
                 self.cache.free(handle)
                 break
@@ -307,6 +328,9 @@ class Engine:
             self.cache.commit(handle, req.token_ids)  # its full blocks join the local prefix cache
             if inc.pulled:  # a cached prefix: prefill goes on from there
                 req.num_cached = num_tokens
+                self.scheduler.admit_loaded(req, handle)
+            elif req.fork_at is not None:  # n > 1: pushed before sampling, its choices fork here
+                req.num_cached = inc.first[2]
                 self.scheduler.admit_loaded(req, handle)
             else:
                 token, logprobs, req.num_cached = inc.first
@@ -334,11 +358,13 @@ class Engine:
                 "prefill_tokens": sum(max(0, r.num_given - r.num_computed) for r in queued)}
 
     def stats(self) -> dict:
-        """Counters: prefix-cache hits and skipped tokens, evictions, preemptions, state memory, and with
+        """Counters: prefix-cache hits and skipped tokens, evictions, preemptions, prompt (and resumed)
+        tokens computed, state memory, and with
         speculative decoding the drafts' acceptance (`Speculator.stats`)."""
         return {
             **asdict(self.cache.stats),
             "preemptions": self.scheduler.num_preemptions,
+            "prefill_tokens": self.scheduler.num_prefill_tokens,
             "steps": self.num_steps,
             "state_bytes_in_use": self.cache.bytes_in_use,
             "state_bytes_cached": self.cache.bytes_cached,

@@ -112,7 +112,7 @@ class KVPort:
     # ---- decode side -------------------------------------------------------------------------------
     def reserve(self, req: Request) -> KVReservation | None:
         """A pool range for `req`'s prefilled state; None when the pool is full."""
-        nbytes = self.cache.state.blob_nbytes(req.num_given)
+        nbytes = self.cache.state.blob_nbytes(req.num_pushed)
         offset = self.agent.alloc(nbytes)
         if offset is None:
             return None
@@ -166,7 +166,7 @@ class KVPort:
 
     def load(self, inc: Incoming, handle: CacheHandle) -> None:
         """Copy an arrived state into `handle` (holding pages for its tokens) and release its range."""
-        num_tokens = inc.num_tokens if inc.pulled else inc.request.num_given
+        num_tokens = inc.num_tokens if inc.pulled else inc.request.num_pushed
         self.cache.fence()
         self.cache.state.import_from(handle, self.agent.view(inc.offset, inc.nbytes), num_tokens)
         del self.incoming[inc.request.request_id]
@@ -308,7 +308,10 @@ class KVPort:
 
 
 def _pushed(req: Request) -> Pushed:
-    """What rides on the WRITE of `req`'s state: its first token, with that token's logprobs if it asked."""
+    """What rides on the WRITE of `req`'s state: its first token, with that token's logprobs if it asked
+    (-1 and none when its choices sample on the decode rank: n > 1)."""
+    if len(req.token_ids) == req.num_given:
+        return Pushed(req.request_id, -1, None, [], [], req.num_cached)
     lp = req.logprobs[-1] if req.logprobs else None
     top = lp.top if lp is not None else []
     return Pushed(req.request_id, req.token_ids[-1], lp.logprob if lp is not None else None, [t for t, _ in top],

@@ -33,7 +33,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        """Run every prompt to completion, batched; completions come back in prompt order."""
+        """Run every prompt to completion, batched; completions come back in prompt order (a prompt's
+        n choices one after another, `Completion.index`)."""
         prompts = _as_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -45,20 +46,21 @@ class LLM:
             for out in self.engine.step():
                 if out.request_id in outputs:  # not a request a `stream` left open
                     outputs[out.request_id].append(out)
-        return [Completion.from_outputs(r.request_id, r.prompt_ids, outputs[r.request_id],
-                                        logprobs=r.params.logprobs is not None) for r in requests]
+        return [c for r in requests for c in Completion.from_outputs(r.request_id, r.prompt_ids, outputs[r.request_id],
+                                                                     logprobs=r.params.logprobs is not None)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield each step's new tokens and text for one prompt (other queued work advances too).
-        Closing the iterator early aborts the request."""
+        """Yield each step's new tokens and text for one prompt (other queued work advances too; with
+        n > 1 the choices' outputs interleave, told apart by `index`). Closing the iterator early
+        aborts the request."""
         req = self.engine.add_request(prompt, params)
         try:
-            while not req.finished:
+            while not req.all_finished:
                 for out in self.engine.step():
                     if out.request_id == req.request_id:
                         yield out
         finally:
-            if not req.finished:
+            if not req.all_finished:
                 self.engine.abort(req.request_id)
 
 

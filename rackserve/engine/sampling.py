@@ -20,6 +20,7 @@ from rackserve.engine.penalties import LogitAdjustments
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: ±100 bans or forces a token
 MAX_REPETITION_PENALTY = 100.0  # far past any useful value (HF suggests ~1.2), bounded to catch typos
+MAX_CHOICES = 128  # OpenAI's bound on n
 _MAX_SEED = 2**63  # seeds are stored in int64
 
 
@@ -82,6 +83,10 @@ class SamplingParams:
     multiplied where negative), `frequency_penalty` (minus it × the token's count in the output) and
     `presence_penalty` (minus it once the token is in the output), OpenAI's definitions. Before all
     of them, `structured` (`rackserve.engine.grammar`) keeps only the tokens its grammar allows next.
+
+    `n` choices share the prompt: it is prefilled once and each choice forks from that state
+    (`rackserve.engine.scheduler`). Choice i draws with `seed + i`, so it is the same request alone
+    with that seed (without a seed, each choice draws its own).
     """
 
     temperature: float = 1.0
@@ -103,12 +108,13 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     structured: GrammarSpec | None = None  # a dict of its fields is taken too
+    n: int = 1
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             _check_number(name, getattr(self, name))
             object.__setattr__(self, name, float(getattr(self, name)))
-        for name in ("top_k", "max_tokens", "min_tokens"):
+        for name in ("top_k", "max_tokens", "min_tokens", "n"):
             _check_number(name, getattr(self, name), integer=True)
         # No upper bound on temperature: sample() subtracts the row max before dividing, so any
         # finite value works (a large one is simply close to uniform).
@@ -127,6 +133,8 @@ class SamplingParams:
                 raise ValueError(f"seed={self.seed} is out of range; use 0 ≤ seed < 2**63")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} is out of range; use max_tokens ≥ 1")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n={self.n} is out of range; use 1 ≤ n ≤ {MAX_CHOICES}")
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop, str))
         if "" in self.stop:
             raise ValueError(f"stop={list(self.stop)!r} contains an empty string; remove it")
@@ -164,6 +172,10 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs={self.logprobs} is out of range; use 0 ≤ logprobs ≤ {MAX_LOGPROBS} "
                                  "or None for no log-probabilities")
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed choice `index` draws with: `seed + index` (wrapping below 2**63); None without a seed."""
+        return None if self.seed is None else (self.seed + index) % _MAX_SEED
 
     @property
     def greedy(self) -> bool:

@@ -12,6 +12,14 @@ N+1 before step N's tokens are known: a request whose token is pending decodes i
 takes it from step N's output on the device), except when the pending token will finish it for
 sure (its last allowed token, or a prefill whose state is pushed elsewhere) or, with prefix caching,
 completes a block (a block's hash needs its tokens; the request sits that step out).
+
+A request of n choices (`SamplingParams.n`) is prefilled once: its first choice runs the prompt but
+its last token, then each other choice forks from that state (`StateCache.fork`: the slot and a
+partly filled last page copied, the full pages shared) and every choice computes the last token
+itself, sampling its first token with its own seed. That costs n - 1 tokens of compute beyond one
+prefill, and keeps each choice what it is alone (a fork after the last token would need one logits
+row sampled n times, and drafts and penalties per choice from the same forward). A prefill for
+another rank is pushed at that point instead, and its choices fork there.
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ class Scheduler:
         self.pushed: list[Request] = []  # prefilled for another rank: state held until the engine sends it
         self.on_finish: Callable[[Request], None] | None = None  # sees a finished request before its state is freed
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # tokens computed of what requests were given (prompt, resumed output)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -77,15 +86,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def find(self, request_id: str) -> Request | None:
-        """The unfinished request with this id, if any."""
+        """An unfinished choice of the request with this id, if any."""
         return next((r for q in (self.running, self.waiting) for r in q if r.request_id == request_id), None)
 
     def abort(self, request_id: str) -> Request | None:
-        """Stop a request wherever it is and free its state; None if it is not here."""
+        """Stop a request (every choice) wherever it is and free its state; None if it is not here."""
         req = self.find(request_id)
         if req is not None:
-            self._queue(req).remove(req)
-            self._finish(req, "abort")
+            for choice in req.choices:
+                if not choice.finished:
+                    if choice in self._queue(choice):  # not a fork its first choice still holds
+                        self._queue(choice).remove(choice)
+                    self._finish(choice, "abort")
         return req
 
     def _queue(self, req: Request) -> list[Request] | deque[Request]:
@@ -95,7 +107,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[str] = set()
+        scheduled: set[int] = set()  # id() of the requests scheduled: the choices of one share a request id
+        for req in [r for r in self.running if r.fork_at is not None and r.num_computed >= r.fork_at]:
+            self._fork(req)
         ready = [r for r in self.running if not self._waits(r)]
         decodes = [r for r in ready if r.num_known - r.num_computed == 1]
         prefills = [r for r in ready if r.num_known - r.num_computed > 1]
@@ -108,7 +122,7 @@ class Scheduler:
             drafts = self._drafts(req, budget - n) if n == 1 else []
             if self._make_room(req, n + len(drafts), scheduled, out):
                 self._emit(out, req, n, drafts)
-                scheduled.add(req.request_id)
+                scheduled.add(id(req))
                 budget -= n + len(drafts)
         # admit new requests only when nobody had to be preempted: memory is tight otherwise
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
@@ -127,13 +141,45 @@ class Scheduler:
                 req.num_cached = handle.num_tokens
             req.handle, req.num_computed, req.status = handle, handle.num_tokens, Status.RUNNING
             self.running.append(req)
-            self._emit(out, req, n, [])
-            budget -= n
+            if req.fork_at is not None and req.num_computed >= req.fork_at:  # the prefix cache reached it
+                self._fork(req)
+                n = self._chunk(req, budget) if req.status is Status.RUNNING else 0
+                if not self.cache.reserve(handle, req.num_computed + n):
+                    n = 0  # it runs next step, with what preemption can free
+            if n:
+                self._emit(out, req, n, [])
+                budget -= n
         return out
+
+    def _fork(self, req: Request) -> None:
+        """`req`, a request's first choice, has computed its prompt but the last token (or more, from a
+        prefix cache): the other choices start from a copy of its state, or, when that is not exactly
+        there or memory is short, queue to be prefilled like any request (the prefix cache still
+        serves them its blocks). Prefilled for another rank, its state is pushed there instead."""
+        at, req.fork_at = req.fork_at, None
+        if req.push_to is not None:
+            self.running.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, "pushed"
+            self.pushed.append(req)
+            return
+        queued = []
+        for choice in req.forks:
+            handle = None
+            if req.num_computed == at and len(self.running) < self.config.max_num_seqs:
+                handle = self.cache.fork(req.handle)
+            if handle is None:
+                queued.append(choice)
+                continue
+            choice.handle, choice.num_computed, choice.status = handle, handle.num_tokens, Status.RUNNING
+            choice.num_cached = req.num_cached
+            self.running.append(choice)
+        self.waiting.extendleft(reversed(queued))  # ahead of later arrivals, in index order
+        req.forks = []
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int, drafts: list[int]) -> None:
         """Schedule `n` tokens of `req` (and `drafts`): they count as computed from now on."""
         chunk = ScheduledChunk(req, req.num_computed, n, drafts, samples=req.num_computed + n == req.num_known)
+        self.num_prefill_tokens += max(0, min(req.num_computed + n, req.num_given) - req.num_computed)
         req.num_computed += n
         req.num_pending += chunk.samples
         out.chunks.append(chunk)
@@ -158,8 +204,9 @@ class Scheduler:
         """Tokens to compute for `req` this step. A chunk that does not finish the prompt ends on a
         block boundary where it can, so the prefix cache can snapshot the state there."""
         start = req.num_computed if start is None else start
-        end = min(req.num_known, start + budget)
-        if end < req.num_known:
+        limit = req.num_known if req.fork_at is None else req.fork_at  # n > 1: its choices fork there
+        end = min(limit, start + budget)
+        if end < limit:
             aligned = end // self.cache.block_size * self.cache.block_size
             if aligned > start:
                 end = aligned
@@ -172,13 +219,13 @@ class Scheduler:
                    self.config.max_model_len - req.num_known + 1) - 1
         return req.draft_ids[:max(0, min(budget, left))]
 
-    def _make_room(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+    def _make_room(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput) -> bool:
         """Reserve state for `n` more tokens of `req`, preempting later arrivals; False if `req` itself
         had to go."""
         while not self.cache.reserve(req.handle, req.num_computed + n):
             # not one whose state frees itself once its pending token is known (a prefill to push
             # must keep its state until then); `req` itself is always a candidate
-            candidates = [r for r in self.running if r.request_id not in scheduled and not self._done_when_known(r)]
+            candidates = [r for r in self.running if id(r) not in scheduled and not self._done_when_known(r)]
             victim = max(candidates, key=lambda r: r.arrival)
             self._preempt(victim)
             out.preempted.append(victim)
@@ -260,10 +307,10 @@ class Scheduler:
             if req.detokenizer is not None:
                 text += req.detokenizer.flush()
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=new, new_text=text, finished=reason is not None,
-            finish_reason=reason, new_logprobs=new_logprobs,
+            request_id=req.request_id, new_token_ids=new, new_text=text,
+            finished=reason is not None and req.all_finished, finish_reason=reason, new_logprobs=new_logprobs,
             num_prompt_tokens=req.num_prompt, num_cached_tokens=req.num_cached,
-            num_output_tokens=len(req.token_ids) - req.num_prompt,
+            num_output_tokens=len(req.token_ids) - req.num_prompt, index=req.index,
         )
 
     def _finish(self, req: Request, reason: str) -> None:

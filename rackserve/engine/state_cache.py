@@ -15,6 +15,9 @@ owns what:
   in a block with a snapshot.
 * Pages are reference-counted (holding requests + 1 for the cache); a cached block nobody holds is
   evictable, least recently used first, when a request needs memory.
+* `fork(handle)` gives a new request a copy of a running one's state, copy-on-write: the slot is
+  copied, the full pages shared, only a partly filled last page copied (the choices of one prompt,
+  `SamplingParams.n`).
 """
 
 from __future__ import annotations
@@ -143,6 +146,30 @@ class StateCache:
                 self.stats.hits += 1
                 self.stats.hit_tokens += handle.num_tokens
         return handle
+
+    def fork(self, handle: CacheHandle) -> CacheHandle | None:
+        """A new request holding a copy of `handle`'s state at its `num_tokens`: the slot copied, the
+        full pages shared (a full block never changes again), a partly filled last page copied (both
+        write there next). None (nothing taken) when no slot, or no page for that copy, can be had."""
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        n = handle.num_tokens
+        used = self.pages_for(n)
+        full = min(used, n // self.block_size)
+        child = CacheHandle(slot=slot, num_tokens=n, block_hashes=list(handle.block_hashes))
+        if used > full and not self.reserve(child, 1):  # one page, for the copy of the partial block
+            self._free_slots.append(slot)
+            return None
+        copy = child.pages  # the page reserve took for the partial block, if any
+        self.fence()
+        self.state.copy_slot(handle.slot, slot)
+        if copy:
+            self.state.copy_page(handle.pages[full], copy[0])
+        for page in handle.pages[:full]:
+            self._ref_page(page)
+        child.pages = handle.pages[:full] + copy
+        return child
 
     def reserve(self, handle: CacheHandle, num_tokens: int) -> bool:
         """Give `handle` the pages for `num_tokens` tokens, evicting cached blocks if needed.

@@ -104,6 +104,11 @@ class PagedState:
         for t in self.pieces()[0]:
             t[dst].copy_(t[src])
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page `src`'s rows into page `dst`, for every page tensor."""
+        for t in self.pieces()[1]:
+            t[dst].copy_(t[src])
+
     # ---- transfer as bytes (a registered pool range: see rackserve.transfer.kv) ----------------------
     def blob_nbytes(self, num_tokens: int) -> int:
         """Bytes of the exported state of a request holding `num_tokens` tokens."""

@@ -56,13 +56,25 @@ ENDED_WHY = ("the server is shutting down and its drain timeout ran out before t
 app = FastAPI(title="rackserve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
+class _Choice:
+    """One choice's answer as it builds up: text, logprobs, finish reason, tokens generated."""
+
+    def __init__(self, echo: str):
+        self.text, self.logprobs, self.finish, self.tokens = "", [], None, 0
+        self.echo = echo  # the prompt, sent with its first output (/v1/completions echo)
+
+
 class _Reply:
-    """One request's answer as it builds up: text, usage, logprobs, timings."""
+    """One request's answer as it builds up: per choice (`n`) text and logprobs, usage, timings."""
 
     def __init__(self, request_id: str, model: str, chat: bool, request, arrival: float, tokenizer):
         self.id, self.model, self.chat, self.request, self.arrival = request_id, model, chat, request, arrival
         self.decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else str
-        self.text, self.logprobs, self.error, self.finish = "", [], None, None
+        echo = ""
+        if not chat and request.echo:
+            echo = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(list(request.prompt))
+        self.choices = [_Choice(echo) for _ in range(request.base_params.n)]
+        self.error = None
         self.usage = responses.Usage(0, 0, 0)
         self.first_at = self.last_at = None
 
@@ -78,25 +90,29 @@ class _Reply:
         if out.error:
             self.error = out.error
             return None
-        self.text += out.new_text
-        self.usage = responses.Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-        self.logprobs += out.new_logprobs
-        self.finish = out.finish_reason if out.finished else None
-        if not (out.new_text or self.finish):
+        choice = self.choices[out.index]
+        text, choice.echo = choice.echo + out.new_text, ""
+        choice.text += text
+        choice.logprobs += out.new_logprobs
+        choice.finish, choice.tokens = out.finish_reason, out.num_output_tokens
+        self.usage = responses.Usage(out.num_prompt_tokens, sum(c.tokens for c in self.choices), out.num_cached_tokens)
+        if not (text or choice.finish):
             return None
         if self.chat:
             lp = responses.chat_logprobs(out.new_logprobs, self.decode) if self.wants_logprobs else None
-            return responses.chat_chunk(self.id, self.model, out.new_text, self.finish, logprobs=lp)
-        lp = responses.completion_logprobs(out.new_logprobs, self.decode, len(self.text) - len(out.new_text)) \
+            return responses.chat_chunk(self.id, self.model, text, choice.finish, logprobs=lp, index=out.index)
+        lp = responses.completion_logprobs(out.new_logprobs, self.decode, len(choice.text) - len(out.new_text)) \
             if self.wants_logprobs else None
-        return responses.completion_chunk(self.id, self.model, out.new_text, self.finish, logprobs=lp)
+        return responses.completion_chunk(self.id, self.model, text, choice.finish, logprobs=lp, index=out.index)
 
     def response(self) -> dict:
         if self.chat:
-            lp = responses.chat_logprobs(self.logprobs, self.decode) if self.wants_logprobs else None
-            return responses.chat_response(self.id, self.model, self.text, self.finish, self.usage, logprobs=lp)
-        lp = responses.completion_logprobs(self.logprobs, self.decode) if self.wants_logprobs else None
-        return responses.completion_response(self.id, self.model, self.text, self.finish, self.usage, logprobs=lp)
+            choices = [responses.chat_choice(c.text, c.finish, responses.chat_logprobs(c.logprobs, self.decode)
+                                             if self.wants_logprobs else None, i) for i, c in enumerate(self.choices)]
+            return responses.chat_response(self.id, self.model, choices, self.usage)
+        choices = [responses.completion_choice(c.text, c.finish, responses.completion_logprobs(c.logprobs, self.decode)
+                                               if self.wants_logprobs else None, i) for i, c in enumerate(self.choices)]
+        return responses.completion_response(self.id, self.model, choices, self.usage)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -246,7 +262,8 @@ class OpenAIServer:
         status = 200
         try:
             if reply.chat:
-                yield responses.sse(responses.chat_chunk(reply.id, reply.model, "", None, role=True))
+                for i in range(len(reply.choices)):
+                    yield responses.sse(responses.chat_chunk(reply.id, reply.model, "", None, role=True, index=i))
             async for out in outputs:
                 chunk = reply.add(out)
                 if chunk is not None:
@@ -323,6 +340,9 @@ class OpenAIServer:
             if tok is None:
                 raise api.APIError(400, "this model has no tokenizer; send the prompt as token ids to /v1/completions",
                                    param="prompt")
+        elif req.echo and tok is None:
+            raise api.APIError(400, "echo gives the prompt back as text, which needs the model's tokenizer; this model "
+                                    "has none: drop echo", param="echo")
         if chat:
             try:
                 return tok.encode(tok.apply_chat_template(req.messages), add_bos=False)

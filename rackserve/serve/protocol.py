@@ -169,12 +169,6 @@ def _check_fields(body: dict, endpoint: str) -> None:
                        "requests (see rackserve.serve.fields); check its spelling", name)
 
 
-def _n(body: dict) -> None:
-    n = _get(body, "n", _INTEGER)
-    if n is not None and n != 1:
-        raise _invalid(f"n must be 1: this server returns one choice per request (got n={n})", "n")
-
-
 def _stream(body: dict) -> tuple[bool, bool]:
     """(stream, include_usage); usage is only a separate chunk when streaming (responses always carry it)."""
     stream = bool(_get(body, "stream", _BOOLEAN))
@@ -282,7 +276,7 @@ def _structured(body: dict) -> GrammarSpec | None:
 
 
 def _base_params(body: dict, logprobs: int | None) -> SamplingParams:
-    """The body's sampling fields (OpenAI names, plus vLLM's top_k, min_p, repetition_penalty, min_tokens,
+    """The body's sampling fields (OpenAI names, n included, plus vLLM's top_k, min_p, repetition_penalty, min_tokens,
     bad_words, allowed_token_ids, stop_token_ids, ignore_eos and skip_special_tokens), all but max_tokens,
     which stands in as at least min_tokens. Each is checked alone first, so a range error names its field."""
     given = {
@@ -304,6 +298,7 @@ def _base_params(body: dict, logprobs: int | None) -> SamplingParams:
         "bad_words": _strings(body, "bad_words"),
         "allowed_token_ids": _token_ids(body, "allowed_token_ids"),
         "structured": _structured(body),
+        "n": _get(body, "n", _INTEGER),
     }
     given = {name: value for name, value in given.items() if value is not None}
     floor = max(given.get("min_tokens", 0), 1)
@@ -403,7 +398,6 @@ def parse_completion(body: dict, served_models: list[str]) -> CompletionRequest:
     """A /v1/completions body as a typed request; APIError (400, or 404 for an unknown model) if it is not one."""
     model = _model(body, served_models)
     _check_fields(body, "completions")
-    _n(body)
     prompt = _prompt(body.get("prompt"))
     stream, include_usage = _stream(body)
     echo = bool(_get(body, "echo", _BOOLEAN))
@@ -457,7 +451,6 @@ def parse_chat(body: dict, served_models: list[str]) -> ChatRequest:
     """A /v1/chat/completions body as a typed request; APIError (400, or 404 for an unknown model) if not one."""
     model = _model(body, served_models)
     _check_fields(body, "chat")
-    _n(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid(f"messages must be a non-empty array of {{role, content}} objects, not {_show(messages)}",

@@ -34,7 +34,8 @@ def openai_finish_reason(engine_reason: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class Usage:
-    """Token counts of one request; cached_tokens: prompt tokens served by the prefix cache."""
+    """Token counts of one request (completion_tokens: of all its choices); cached_tokens: prompt tokens
+    served by the prefix cache."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -51,37 +52,45 @@ def _envelope(request_id: str, model: str, object_name: str, choices: list[dict]
             "choices": choices}
 
 
-def completion_response(request_id: str, model: str, text: str, finish_reason: str, usage: Usage,
-                        logprobs: dict | None = None) -> dict:
-    """A whole /v1/completions response. finish_reason: the engine's; logprobs: from `completion_logprobs`."""
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": openai_finish_reason(finish_reason)}
-    return {**_envelope(request_id, model, "text_completion", [choice]), "usage": usage.to_dict()}
+def completion_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0) -> dict:
+    """One choice of a /v1/completions response or chunk. finish_reason: the engine's; logprobs: from
+    `completion_logprobs`; index: which of the request's n choices."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": openai_finish_reason(finish_reason)}
+
+
+def completion_response(request_id: str, model: str, choices: list[dict], usage: Usage) -> dict:
+    """A whole /v1/completions response: its choices (`completion_choice`) and the request's usage."""
+    return {**_envelope(request_id, model, "text_completion", choices), "usage": usage.to_dict()}
 
 
 def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None,
-                     logprobs: dict | None = None) -> dict:
-    """One streamed /v1/completions chunk: new text, and the engine's finish reason on the last one."""
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": openai_finish_reason(finish_reason)}
-    return _envelope(request_id, model, "text_completion", [choice])
+                     logprobs: dict | None = None, index: int = 0) -> dict:
+    """One streamed /v1/completions chunk: choice `index`'s new text, and its finish reason on its last one."""
+    return _envelope(request_id, model, "text_completion", [completion_choice(text, finish_reason, logprobs, index)])
 
 
-def chat_response(request_id: str, model: str, text: str, finish_reason: str, usage: Usage,
-                  logprobs: dict | None = None) -> dict:
-    """A whole /v1/chat/completions response. finish_reason: the engine's; logprobs: from `chat_logprobs`."""
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-              "finish_reason": openai_finish_reason(finish_reason)}
-    return {**_envelope(request_id, model, "chat.completion", [choice]), "usage": usage.to_dict()}
+def chat_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0) -> dict:
+    """One choice of a whole /v1/chat/completions response. finish_reason: the engine's; logprobs: from
+    `chat_logprobs`; index: which of the request's n choices."""
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": openai_finish_reason(finish_reason)}
+
+
+def chat_response(request_id: str, model: str, choices: list[dict], usage: Usage) -> dict:
+    """A whole /v1/chat/completions response: its choices (`chat_choice`) and the request's usage."""
+    return {**_envelope(request_id, model, "chat.completion", choices), "usage": usage.to_dict()}
 
 
 def chat_chunk(request_id: str, model: str, delta_text: str | None, finish_reason: str | None, role: bool = False,
-               logprobs: dict | None = None) -> dict:
-    """One streamed chat chunk. role=True on the first, whose delta names the assistant; delta_text None gives
-    an empty delta (the last chunk, which carries the engine's finish reason)."""
+               logprobs: dict | None = None, index: int = 0) -> dict:
+    """One streamed chat chunk of choice `index`. role=True on a choice's first, whose delta names the
+    assistant; delta_text None gives an empty delta (the last chunk, which carries the engine's finish reason)."""
     if role:
         delta = {"role": "assistant", "content": delta_text or ""}
     else:
         delta = {} if delta_text is None else {"content": delta_text}
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": openai_finish_reason(finish_reason)}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs,
+              "finish_reason": openai_finish_reason(finish_reason)}
     return _envelope(request_id, model, "chat.completion.chunk", [choice])
 
 

@@ -71,9 +71,10 @@ class Message:
 @dataclass(frozen=True)
 class Pushed(Message, kind="pushed"):
     """The state of `request_id` is in its reservation. `token`: the first output token the prefill
-    rank sampled; `logprob`, `top_ids`, `top_logprobs`: its log-probability and the top alternatives
-    when the request asked for logprobs (None, [], [] otherwise); `num_cached`: prompt tokens its
-    prefix cache served."""
+    rank sampled, or -1 (a request of several choices: pushed with its prompt but the last token,
+    its choices fork and sample on the decode rank); `logprob`, `top_ids`, `top_logprobs`: its
+    log-probability and the top alternatives when the request asked for logprobs (None, [], []
+    otherwise); `num_cached`: prompt tokens its prefix cache served."""
 
     request_id: str
     token: int
