@@ -35,7 +35,8 @@ class EngineConfig:
     max_model_len: prompt + output tokens of one request; default min(max_position_embeddings, 8192).
     block_size: tokens per state page and prefix-cache block; a multiple of every compress rate
       (default: their least common multiple, at least 16).
-    state_memory_mb: bytes budget of the state cache (slots, pages and prefix-cache snapshots), MiB.
+    state_memory_mb: bytes budget of the state cache (slots, pages and prefix-cache snapshots) and of
+      the penalties' token counts (5 bytes per vocabulary entry per running request), MiB.
     prefix_caching: keep full blocks of finished requests to skip their prefill next time.
     prefix_snapshots: how many block-boundary snapshots of window/carry state the prefix cache may
       keep (default max_num_seqs); each costs one slot of memory.

@@ -12,6 +12,7 @@ import torch
 
 from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt
 from rackserve.engine import LLM, Completion, RequestError, RequestOutput, SamplingParams
+from rackserve.engine.penalties import TokenHistory
 from rackserve.engine.request import TokenLogprobs
 from rackserve.models.deepseek_v4.tiny import make_tiny
 
@@ -73,7 +74,8 @@ def _bytes_for(llm_kwargs: dict, checkpoint, pages: int) -> float:
     config = ModelConfig.from_pretrained(checkpoint)
     probe = ModelState(config, 1, 1, llm_kwargs["block_size"], device="meta")
     slots = 2 * llm_kwargs["max_num_seqs"]  # requests + prefix snapshots
-    return (slots * probe.slot_bytes + pages * probe.page_bytes) / 2**20
+    history = TokenHistory.bytes_for(llm_kwargs["max_num_seqs"], config.vocab_size)  # the penalties' counts
+    return (slots * probe.slot_bytes + pages * probe.page_bytes + history) / 2**20
 
 
 def test_tight_state_memory_completes_everything_identically(checkpoint):

@@ -62,13 +62,13 @@ PARAMS = [
 
 def test_every_adjustment_matches_the_reference_on_random_logits():
     rng = random.Random(0)
-    chunks, refs, history = [], [], TokenHistory(num_slots=len(PARAMS) + 2, vocab_size=V, device="cpu")
+    chunks, refs, history = [], [], TokenHistory(num_rows=len(PARAMS), vocab_size=V, device="cpu")
     logits = torch.randn(len(PARAMS), V, generator=torch.Generator().manual_seed(0)) * 3
     for i, p in enumerate(PARAMS):
         prompt = [rng.randrange(V) for _ in range(rng.randrange(1, 12))]
         output = [rng.randrange(V) for _ in range(rng.randrange(0, 10))]
         req = make_request(prompt, output, p)
-        chunks.append(ChunkRows(req, slot=i + 1, end=len(req.token_ids), drafts=[], first_row=i))
+        chunks.append(ChunkRows(req, end=len(req.token_ids), drafts=[], first_row=i))
         refs.append(reference(logits[i], prompt, output, p))
     adjust = build_adjustments(chunks, len(PARAMS), torch.zeros(1, dtype=torch.long), history)
     adjust.prepare()
@@ -81,7 +81,7 @@ def test_bad_words_ban_a_word_s_last_token_only_after_the_rest_of_it():
     p = SamplingParams(bad_words=("x",))  # the words' text only matters to the engine, which tokenizes it
     cases = [([1, 3], []), ([2], [3]), ([2], [5, 3]), ([2], [10, 11]), ([10], [11]), ([9], [10, 11, 3]), ([9], [])]
     logits = torch.randn(len(cases), V, generator=torch.Generator().manual_seed(1))
-    chunks = [ChunkRows(make_request(pr, out, p, words), slot=0, end=len(pr) + len(out), drafts=[], first_row=i)
+    chunks = [ChunkRows(make_request(pr, out, p, words), end=len(pr) + len(out), drafts=[], first_row=i)
               for i, (pr, out) in enumerate(cases)]
     got = build_adjustments(chunks, len(cases), torch.zeros(1, dtype=torch.long), TokenHistory(1, V, "cpu")).apply(logits)
     want = torch.stack([reference(logits[i], pr, out, p, words) for i, (pr, out) in enumerate(cases)])
@@ -96,43 +96,62 @@ def test_rows_verifying_drafts_count_the_drafts_before_them():
     words = ((6, 8),)
     prompt, output, drafts = [4, 5], [6], [8, 6, 3]
     req = make_request(prompt, output, p, words)
-    history = TokenHistory(2, V, "cpu")
+    history = TokenHistory(1, V, "cpu")
     logits = torch.randn(len(drafts) + 1, V, generator=torch.Generator().manual_seed(2))
-    adjust = build_adjustments([ChunkRows(req, 1, len(req.token_ids), drafts, 0)], len(drafts) + 1,
+    adjust = build_adjustments([ChunkRows(req, len(req.token_ids), drafts, 0)], len(drafts) + 1,
                                torch.zeros(1, dtype=torch.long), history)
     adjust.prepare()
     got = adjust.apply(logits)
     want = torch.stack([reference(logits[i], prompt, output + drafts[:i], p, words) for i in range(len(drafts) + 1)])
     torch.testing.assert_close(got, want)
     # drafts never reach the history: the next step counts only what was accepted
-    assert history.counts[1].sum() == len(output)
+    assert history.counts[history.row(req)].sum() == len(output)
 
 
 def test_pending_tokens_come_from_the_input_ids_and_history_catches_up():
     p = SamplingParams(frequency_penalty=0.9, repetition_penalty=1.2, bad_words=("x",))
     words = ((9, 2),)
-    history = TokenHistory(3, V, "cpu")
+    history = TokenHistory(1, V, "cpu")
     req = make_request([1, 2, 3], [9, 9], p, words)
     logits = torch.randn(1, V, generator=torch.Generator().manual_seed(3))
     # the first step: everything known
-    adjust = build_adjustments([ChunkRows(req, 2, 5, [], 0)], 1, torch.zeros(1, dtype=torch.long), history)
+    adjust = build_adjustments([ChunkRows(req, 5, [], 0)], 1, torch.zeros(1, dtype=torch.long), history)
     adjust.prepare()
     torch.testing.assert_close(adjust.apply(logits)[0], reference(logits[0], [1, 2, 3], [9, 9], p, words))
     # the next: token 5 is sampled by the step in flight; it sits in row 4 of the forward's input ids
     inputs = torch.tensor([0, 0, 0, 0, 9])
-    adjust = build_adjustments([ChunkRows(req, 2, 6, [], 0, pending={5: 4})], 1, inputs, history)
+    adjust = build_adjustments([ChunkRows(req, 6, [], 0, pending={5: 4})], 1, inputs, history)
     adjust.prepare()
     torch.testing.assert_close(adjust.apply(logits)[0], reference(logits[0], [1, 2, 3], [9, 9, 9], p, words))
     req.token_ids.append(9)
-    # two steps later the host knows it and one more; another request taking the slot starts afresh
+    # two steps later the host knows it and one more; another request taking the row over (the first
+    # no longer runs: no state handle) starts afresh
     req.token_ids.append(4)
-    adjust = build_adjustments([ChunkRows(req, 2, 7, [], 0)], 1, inputs, history)
+    adjust = build_adjustments([ChunkRows(req, 7, [], 0)], 1, inputs, history)
     adjust.prepare()
     torch.testing.assert_close(adjust.apply(logits)[0], reference(logits[0], [1, 2, 3], [9, 9, 9, 4], p, words))
     other = make_request([7], [], p, words)
-    adjust = build_adjustments([ChunkRows(other, 2, 1, [], 0)], 1, inputs, history)
+    adjust = build_adjustments([ChunkRows(other, 1, [], 0)], 1, inputs, history)
     adjust.prepare()
     torch.testing.assert_close(adjust.apply(logits)[0], reference(logits[0], [7], [], p, words))
+
+
+def test_a_history_row_passes_only_from_a_request_that_no_longer_runs():
+    """Rows are per running request (max_num_seqs of them), not per state slot: a finished or preempted
+    request's row goes to the next one, a running one's never."""
+    from rackserve.engine.state_cache import CacheHandle
+
+    p = SamplingParams(frequency_penalty=1.0)
+    history = TokenHistory(2, V, "cpu")
+    a, b, c, d = (make_request([1, 2], [k], p) for k in (3, 4, 5, 6))
+    a.handle = b.handle = CacheHandle(slot=0)
+    history.plan([ChunkRows(a, 3, [], 0), ChunkRows(b, 3, [], 1)])
+    b.handle = None  # b finished
+    c.handle = CacheHandle(slot=1)
+    history.plan([ChunkRows(c, 3, [], 0)])
+    assert history.row(c) == 1 and history.row(a) == 0
+    with pytest.raises(RuntimeError, match="more requests sample at once than max_num_seqs"):
+        history.plan([ChunkRows(d, 3, [], 0)])
 
 
 def test_greedy_rows_take_the_adjusted_argmax_and_logprobs_stay_raw():
@@ -140,7 +159,7 @@ def test_greedy_rows_take_the_adjusted_argmax_and_logprobs_stay_raw():
     top = int(logits[0].argmax())
     p = SamplingParams(temperature=0, logit_bias={top: -100})
     req = make_request([0], [], p)
-    adjust = build_adjustments([ChunkRows(req, 0, 1, [], 0), ChunkRows(make_request([0], [], p), 1, 1, [], 1)], 2,
+    adjust = build_adjustments([ChunkRows(req, 1, [], 0), ChunkRows(make_request([0], [], p), 1, [], 1)], 2,
                                torch.zeros(1, dtype=torch.long), TokenHistory(2, V, "cpu"))
     out = sample(logits, SamplingBatch.build([p, p], [0, 0], [0, 0], adjust=adjust))
     assert int(out.token_ids[0]) != top
@@ -152,7 +171,7 @@ def test_sampled_rows_never_draw_a_banned_token():
     p = SamplingParams(temperature=1.5, allowed_token_ids=[3, 5, 7, 11], logit_bias={5: -100})
     logits = torch.zeros(64, V)
     reqs = [make_request([0], [], p) for _ in range(64)]
-    adjust = build_adjustments([ChunkRows(r, i, 1, [], i) for i, r in enumerate(reqs)], 64,
+    adjust = build_adjustments([ChunkRows(r, 1, [], i) for i, r in enumerate(reqs)], 64,
                                torch.zeros(1, dtype=torch.long), TokenHistory(64, V, "cpu"))
     out = sample(logits, SamplingBatch.build([p] * 64, list(range(64)), [0] * 64, adjust=adjust))
     assert set(out.token_ids.tolist()) == {3, 7, 11}
@@ -262,3 +281,14 @@ def test_a_resumed_request_goes_on_as_if_it_had_never_stopped():
     with pytest.raises(ValueError, match="leave nothing to generate"):
         engine.add_request(text, p, resumed={0: whole.token_ids})
 
+
+
+def test_the_token_counts_are_inside_the_state_budget():
+    llm = LLM("tiny-code", max_num_seqs=4, state_memory_mb=64)
+    engine = llm.engine
+    llm.generate(["x = "], SamplingParams(max_tokens=3, frequency_penalty=0.5))
+    history = engine.runner.history
+    assert history.counts.shape == (4, engine.model.config.vocab_size)
+    held = history.counts.nbytes + history.seen.nbytes
+    assert held == TokenHistory.bytes_for(4, engine.model.config.vocab_size)
+    assert engine.cache.bytes_total + held <= 64 * 2**20

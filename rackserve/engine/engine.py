@@ -17,7 +17,7 @@ from rackserve.engine.graphs import DecodeGraphs
 from rackserve.engine.gang import ExpertBalancer, Gang, sync
 from rackserve.engine.grammar import Grammars
 from rackserve.engine.kv_port import KVPort
-from rackserve.engine.penalties import bad_word_ids
+from rackserve.engine.penalties import TokenHistory, bad_word_ids
 from rackserve.engine.request import Request, RequestOutput
 from rackserve.engine.runner import Runner, StepInFlight, plan_passes
 from rackserve.engine.sampling import SamplingParams
@@ -48,7 +48,10 @@ class Engine:
         c = self.config
         # a gang's dummy forwards and fixed-shape padding run on a scratch request: one slot beyond max_num_seqs
         scratch = gang is not None or c.compile != "off"
-        self.cache = StateCache(model.config, c.block_size, c.max_num_seqs + scratch, int(c.state_memory_mb * 2**20),
+        # the budget holds the penalties' token counts too (allocated when a penalised request samples)
+        history_bytes = TokenHistory.bytes_for(c.max_num_seqs, model.config.vocab_size)
+        self.cache = StateCache(model.config, c.block_size, c.max_num_seqs + scratch,
+                                int(c.state_memory_mb * 2**20) - history_bytes,
                                 prefix_caching=c.prefix_caching, max_snapshots=c.prefix_snapshots,
                                 dtype=model.dtype, device=model.device,
                                 draft_layers=int(c.speculative_tokens > 0), state_dtype=c.state_dtype)
@@ -60,7 +63,7 @@ class Engine:
             )
         self.scheduler = Scheduler(self.config, self.cache)
         self.speculator = Speculator(model, self.cache, c.speculative_tokens) if c.speculative_tokens else None
-        self.runner = Runner(model, self.cache, self.speculator)
+        self.runner = Runner(model, self.cache, self.speculator, c.max_num_seqs)
         self.balancer = None
         if scratch:
             self.runner.dummy = self.cache.allocate()

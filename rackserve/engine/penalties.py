@@ -5,8 +5,8 @@
 under `min_tokens`), `logit_bias`, then the penalties in vLLM's order: repetition (HF's: seen
 tokens' logits divided by it where positive, multiplied where negative), frequency, presence.
 
-The penalties need each request's token counts. `TokenHistory` keeps them on the device per state
-slot — output counts `[slots, V]` int32 and "seen in prompt or output" `[slots, V]` bool — so a
+The penalties need each request's token counts. `TokenHistory` keeps them on the device, a row per
+running request — output counts `[rows, V]` int32 and "seen in prompt or output" `[rows, V]` bool — so a
 step reads them without a pass over the history, and a token still pending on the host (sampled
 by the step in flight, with async scheduling) is counted from the device's input ids. Drafts are
 never counted there: a row verifying draft i adds drafts 0 … i-1 to its own copy, so rejected
@@ -40,7 +40,6 @@ class ChunkRows:
     """
 
     request: Request
-    slot: int
     end: int
     drafts: list[int]
     first_row: int
@@ -52,42 +51,70 @@ def _ids(values: list, device, dtype=torch.int64) -> torch.Tensor:
 
 
 class TokenHistory:
-    """Per state slot: counts [slots, V] int32 of a request's output tokens, seen [slots, V] bool of
-    tokens in its prompt or output, on the device (allocated when a penalised request first samples).
+    """A row per penalised request that samples: counts [rows, V] int32 of its output tokens, seen
+    [rows, V] bool of tokens in its prompt or output, on the device (allocated when a penalised
+    request first samples). `rows`: the most requests that run at once (`max_num_seqs`); a row is
+    taken over from a request that no longer runs (finished or preempted: no state handle).
 
-    On the host, per slot, the request they belong to and how many of its tokens they cover:
-    `plan` writes what the device must add (tokens known since, pending ones) and `CatchUp.apply`
-    adds it on the forward thread, in step order, before the rows are read.
+    On the host, per row, the request it belongs to and how many of its tokens it covers: `plan`
+    writes what the device must add (tokens known since, pending ones) and `CatchUp.apply` adds it
+    on the forward thread, in step order, before the rows are read.
     """
 
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device | str):
-        self.num_slots, self.vocab_size, self.device = num_slots, vocab_size, device
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device | str):
+        self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
         self.counts: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
-        self._owner: list[Request | None] = [None] * num_slots  # the object itself: ids get reused
-        self._covered = [0] * num_slots  # tokens of the owner the device rows count
+        self._owner: list[Request | None] = [None] * num_rows  # the object itself: ids get reused
+        self._covered = [0] * num_rows  # tokens of the owner the device rows count
+        self._rows: dict[int, int] = {}  # id(owner) -> its row
+
+    @staticmethod
+    def bytes_for(num_rows: int, vocab_size: int) -> int:
+        """Device bytes of the counts and flags of `num_rows` rows."""
+        return num_rows * vocab_size * (4 + 1)
+
+    def row(self, req: Request) -> int:
+        """The row of `req` (planned in this step)."""
+        return self._rows[id(req)]
+
+    def _take_row(self, req: Request, busy: set[int]) -> int:
+        """A row for `req`, new here: a free one, or one whose request no longer runs and is not
+        among this step's (`busy`: their ids)."""
+        row = next((r for r, owner in enumerate(self._owner) if owner is None
+                    or (owner.handle is None and id(owner) not in busy)), None)
+        if row is None:
+            raise RuntimeError(f"all {self.num_rows} penalty rows belong to running requests; more requests "
+                               "sample at once than max_num_seqs")
+        if self._owner[row] is not None:
+            del self._rows[id(self._owner[row])]
+        self._owner[row], self._covered[row] = req, 0
+        self._rows[id(req)] = row
+        return row
 
     def plan(self, chunks: list[ChunkRows]) -> CatchUp:
-        """What brings the slots of `chunks` up to their `end` (the host's view advances now)."""
+        """What brings the rows of `chunks`' requests up to their `end` (the host's view advances now)."""
         if self.counts is None:
-            self.counts = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.int32, device=self.device)
-            self.seen = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.bool, device=self.device)
+            self.counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
+            self.seen = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device)
         reset, known, pending = [], [[], [], []], [[], []]
+        busy = {id(c.request) for c in chunks}
         for c in chunks:
-            req, slot = c.request, c.slot
-            if self._owner[slot] is not req:  # a new request in this slot, or one that moved here
-                self._owner[slot], self._covered[slot] = req, 0
-                reset.append(slot)
-            start, end = self._covered[slot], c.end
+            req = c.request
+            row = self._rows.get(id(req))
+            if row is None or self._owner[row] is not req:  # a request new to the history
+                row = self._take_row(req, busy)
+                reset.append(row)
+            start, end = self._covered[row], c.end
             for pos in range(start, end):
                 if pos in c.pending:
-                    pending[0].append(slot)
+                    pending[0].append(row)
                     pending[1].append(c.pending[pos])
                 else:
-                    known[0].append(slot)
+                    known[0].append(row)
                     known[1].append(req.token_ids[pos])
                     known[2].append(pos >= req.num_prompt)
-            self._covered[slot] = max(start, end)
+            self._covered[row] = max(start, end)
         d = self.device
         return CatchUp(self, _ids(reset, d), _ids(known[0], d), _ids(known[1], d), _ids(known[2], d, torch.bool),
                        _ids(pending[0], d), _ids(pending[1], d))
@@ -95,16 +122,17 @@ class TokenHistory:
 
 @dataclass
 class CatchUp:
-    """Device writes that bring `history` up to date: rows `reset` [Z] zeroed; known tokens
-    (slot [K], token [K], is_output [K]) and pending ones (slot [P], row of the input ids [P]) added."""
+    """Device writes that bring `history` up to date: its rows `reset` [Z] zeroed; known tokens
+    (history row [K], token [K], is_output [K]) and pending ones (history row [P], row of the input
+    ids [P]) added."""
 
     history: TokenHistory
     reset: torch.Tensor
-    slots: torch.Tensor
+    owners: torch.Tensor
     tokens: torch.Tensor
     is_output: torch.Tensor
-    pending_slots: torch.Tensor
-    pending_rows: torch.Tensor
+    pending_owners: torch.Tensor
+    pending_inputs: torch.Tensor
 
     def apply(self, input_ids: torch.Tensor) -> None:
         """Add the tokens; `input_ids` [T]: the forward's, its pending tokens filled in."""
@@ -112,12 +140,12 @@ class CatchUp:
         if self.reset.numel():
             h.counts[self.reset] = 0
             h.seen[self.reset] = False
-        slots = torch.cat([self.slots, self.pending_slots])
-        tokens = torch.cat([self.tokens, input_ids[self.pending_rows].long()])
+        owners = torch.cat([self.owners, self.pending_owners])
+        tokens = torch.cat([self.tokens, input_ids[self.pending_inputs].long()])
         # a pending token is always an output: only a decode's last token is sampled by the step in flight
-        is_output = torch.cat([self.is_output, torch.ones_like(self.pending_slots, dtype=torch.bool)])
-        h.counts.index_put_((slots, tokens), is_output.int(), accumulate=True)
-        h.seen[slots, tokens] = True
+        is_output = torch.cat([self.is_output, torch.ones_like(self.pending_owners, dtype=torch.bool)])
+        h.counts.index_put_((owners, tokens), is_output.int(), accumulate=True)
+        h.seen[owners, tokens] = True
 
 
 @dataclass
@@ -130,7 +158,7 @@ class LogitAdjustments:
     words: multi-token bad words, (rows [W], prefix [W, L] right-aligned with ANY padding, last [W],
     tail_values [W, L], tail_inputs [W, L]): a word's last token is banned where its row's last L
     tokens equal its prefix; the tail is `tail_values`, or input id `tail_inputs` where ≥ 0 (pending).
-    penalties: rows [P], slots [P], presence / frequency / repetition [P] f32, and the drafts each
+    penalties: rows [P], their history rows [P], presence / frequency / repetition [P] f32, and the drafts each
     row follows, (row index into P [D], token [D]).
     catch_up: the history's writes, run first (`prepare`).
     """
@@ -186,12 +214,12 @@ class LogitAdjustments:
         return logits
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        rows, slots, presence, frequency, repetition, draft_rows, draft_ids = self.penalties
+        rows, owners, presence, frequency, repetition, draft_rows, draft_ids = self.penalties
         history = self.catch_up.history
-        counts = history.counts[slots]  # [P, V]
+        counts = history.counts[owners]  # [P, V]
         if draft_rows.numel():
             counts.index_put_((draft_rows, draft_ids), torch.ones_like(draft_ids, dtype=counts.dtype), accumulate=True)
-        seen = history.seen[slots] | (counts > 0)
+        seen = history.seen[owners] | (counts > 0)
         sub = logits[rows]
         rep = repetition[:, None]
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
@@ -232,6 +260,9 @@ def build_adjustments(chunks: list[ChunkRows], num_rows: int, input_ids: torch.T
         rows = sum(len(c.drafts) + 1 for c in chunks if c.request.matcher is not None)
         bitmask = torch.zeros(rows, (history.vocab_size + 31) // 32, dtype=torch.int32)
     width = max((len(w) for c in chunks for w in c.request.bad_words_ids), default=1) - 1  # longest prefix
+    penalized = [c for c in chunks if c.request.params.penalized]
+    if penalized:  # first: it gives each penalised request its history row
+        out.catch_up = history.plan(penalized)
     for c in chunks:
         req, p = c.request, c.request.params
         stops = sorted({*p.stop_token_ids, *(() if p.ignore_eos else req.eos_ids)})
@@ -263,7 +294,7 @@ def build_adjustments(chunks: list[ChunkRows], num_rows: int, input_ids: torch.T
                     words.append((row, word, values, inputs))
             if p.penalized:
                 pen[0].append(row)
-                pen[1].append(c.slot)
+                pen[1].append(history.row(req))
                 pen[2].append(p.presence_penalty)
                 pen[3].append(p.frequency_penalty)
                 pen[4].append(p.repetition_penalty)
@@ -285,7 +316,6 @@ def build_adjustments(chunks: list[ChunkRows], num_rows: int, input_ids: torch.T
                      _ids([w[-1] for _, w, _, _ in words], device),
                      _ids([v for _, _, v, _ in words], device), _ids([x for _, _, _, x in words], device))
     if pen[0]:
-        out.catch_up = history.plan([c for c in chunks if c.request.params.penalized])
         out.penalties = (*(_ids(x, device) for x in pen[:2]), *(_ids(x, device, torch.float32) for x in pen[2:5]),
                          _ids(pen[5], device), _ids(pen[6], device))
     return out

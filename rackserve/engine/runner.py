@@ -113,7 +113,9 @@ class StepInFlight:
 
 
 class Runner:
-    def __init__(self, model: ServingModel, cache: StateCache, speculator: Speculator | None = None):
+    def __init__(self, model: ServingModel, cache: StateCache, speculator: Speculator | None = None,
+                 max_requests: int = 1):
+        """`max_requests`: the most requests that sample in one step (`max_num_seqs`)."""
         self.model, self.cache, self.speculator = model, cache, speculator
         self.drafter = speculator.drafter if speculator is not None else None
         self.device = model.device
@@ -122,7 +124,7 @@ class Runner:
         self.lockstep = False  # one DP rank of a gang: every pass runs the same forwards as the peers'
         self.graphs: DecodeGraphs | None = None  # decode passes on fixed shapes (EngineConfig.compile)
         # penalised requests' token counts, on the device once one samples
-        self.history = TokenHistory(cache.state.num_slots, model.config.vocab_size, self.device)
+        self.history = TokenHistory(max_requests, model.config.vocab_size, self.device)
 
     def draft_forwards(self, out: SchedulerOutput) -> int:
         """The draft forwards `execute(out)` runs after its passes: the speculator's when some
@@ -342,9 +344,9 @@ class Runner:
         # but for the one this row samples
         counters = [r.num_known - 1 - r.num_prompt + i for r, n in zip(reqs, counts) for i in range(n)]
         firsts = itertools.accumulate([0, *counts])
-        adjust = build_adjustments([ChunkRows(c.request, c.request.handle.slot, c.start + c.num_tokens, c.draft_ids,
-                                              first, at) for c, first, at in zip(chunks, firsts, pending)
-                                    if c.request.params.adjusts_logits], len(rows), input_ids, self.history)
+        adjust = build_adjustments([ChunkRows(c.request, c.start + c.num_tokens, c.draft_ids, first, at)
+                                    for c, first, at in zip(chunks, firsts, pending) if c.request.params.adjusts_logits],
+                                   len(rows), input_ids, self.history)
         batch = SamplingBatch.build(params, [r.seed for r, n in zip(reqs, counts) for _ in range(n)], counters,
                                     self.device, adjust)
         drafts = None

@@ -146,6 +146,7 @@ def tie_gaps(engine, prompt: list[int], got: list[int]) -> list[float]:
 def check_model(setup: Setup, experts: int) -> tuple[dict, list[str]]:
     """Part 4: (headline figures, failures)."""
     from rackserve.engine import LLM
+    from rackserve.engine.penalties import TokenHistory
     from rackserve.models.deepseek_v4.config import ModelConfig
     from rackserve.models.deepseek_v4.memory import state_bytes
     from rackserve.models.deepseek_v4.tiny import make_tiny
@@ -181,8 +182,10 @@ def check_model(setup: Setup, experts: int) -> tuple[dict, list[str]]:
                              max_num_batched_tokens=w.prefill + most, max_model_len=w.prefill + w.new_tokens,
                              # a shape per batch; one on the small run, where each shape costs a trace
                              prefix_caching=False, compile=mode, graph_buckets=(most,) if setup.small else w.batches,
-                             # one more slot and page: the fixed-shape engine's scratch request
-                             state_memory_mb=1.25 * ((most + 1) * state.slot + (pages + 1) * state.page) / 2**20
+                             # one more slot and page: the fixed-shape engine's scratch request; and the
+                             # penalties' token counts, which the budget holds too
+                             state_memory_mb=(1.25 * ((most + 1) * state.slot + (pages + 1) * state.page)
+                                              + TokenHistory.bytes_for(most, config.vocab_size)) / 2**20
                              ).engine
                    for mode in ("off", graphs)}
         figures["load_s"] = round(time.perf_counter() - t0, 1)

@@ -122,14 +122,19 @@ def state_report(model, rank_weights: int, hbm: dict[str, float],
                  context: int = LONG_CONTEXT) -> dict[str, dict[str, float]]:
     """{state_dtype: figures}: bytes per token, fixed MiB per request, GiB of a `context`-token request,
     and for each GPU of `hbm` (name: bytes) the most such requests a rank fits beside `rank_weights`
-    bytes of weights and the workspace."""
+    bytes of weights and the workspace, each with its row of the penalties' token counts
+    (`TokenHistory`, part of the engine's state budget)."""
+    from rackserve.engine.penalties import TokenHistory  # here: a model module imports no engine at load
+
+    counts = TokenHistory.bytes_for(1, model.vocab_size)
     rows = {}
     for state_dtype in STATE_DTYPES:
         s = state_bytes(model, state_dtype)
-        row = {"bytes/token": s.per_token, "fixed MiB/request": s.slot / 2**20,
+        row = {"bytes/token": s.per_token, "fixed MiB/request": s.slot / 2**20, "counts MiB/request": counts / 2**20,
                f"GiB/request at {context // 1024}K": s.request(context) / GIB}
         for gpu, nbytes in hbm.items():
-            row[f"batch on {gpu}"] = max(0, int((nbytes - rank_weights - WORKSPACE_BYTES) // s.request(context)))
+            row[f"batch on {gpu}"] = max(0, int((nbytes - rank_weights - WORKSPACE_BYTES)
+                                                // (s.request(context) + counts)))
         rows[state_dtype] = row
     return rows
 
