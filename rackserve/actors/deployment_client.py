@@ -185,7 +185,9 @@ class DeploymentClient:
         context = ids + resumed[next(iter(resumed))] if resumed is not None and len(resumed) == 1 else ids
         failed = {name for name, client in self.decode.items() if not client.serving}
         with self._lock:
-            decode_at = route.decode = self.router.decode_rank(route.session, len(context) + params.max_tokens, failed)
+            # the state it will hold: the prompt once (choices share it), each choice's output
+            decode_at = route.decode = self.router.decode_rank(route.session, len(ids) + params.n * params.max_tokens,
+                                                               failed)
             route.prefill = None
             prefill_down = self.router.prefill_down
         if prefill_down:  # no prefill rank to push it: the decode rank prefills it now, not after a timeout

@@ -309,8 +309,9 @@ class OpenAIServer:
         if reply is not None and reply.first_at is not None:
             m = self.metrics
             m.ttft.observe(reply.first_at - reply.arrival)
-            if reply.usage.completion_tokens > 1:
-                m.tpot.observe((reply.last_at - reply.first_at) / (reply.usage.completion_tokens - 1))
+            longest = max(c.tokens for c in reply.choices)  # choices decode side by side
+            if longest > 1:
+                m.tpot.observe((reply.last_at - reply.first_at) / (longest - 1))
             m.prompt_tokens.inc(reply.usage.prompt_tokens)
             m.cached_tokens.inc(reply.usage.cached_tokens)
             m.output_tokens.inc(reply.usage.completion_tokens)
