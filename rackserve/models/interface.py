@@ -155,10 +155,12 @@ class Drafter(Protocol):
 class ModelFamily:
     """A model family as the registry knows it: its `model_type`, how to read its config.json
     (a dict -> `ModelSpec`), how to load a checkpoint (`load(path, dtype=…, device=…, weights=…,
-    shard=…) -> ServingModel`) and its model class (`model_class(config)`, what memory estimates build
-    on the meta device)."""
+    shard=…) -> ServingModel`), its model class (`model_class(config)`, what memory estimates build
+    on the meta device) and, for a family whose checkpoints ship no jinja chat template, its own chat
+    encoding (`chat(messages, thinking=…) -> prompt text`, BOS included)."""
 
     model_type: str
     config_from_dict: Callable[[dict], ModelSpec]
     load: Callable[..., ServingModel]
     model_class: type | None = None
+    chat: Callable[..., str] | None = None

@@ -86,6 +86,8 @@ class Tokenizer:
             # newer transformers save the template beside tokenizer_config.json instead of in it
             template = jinja_file.read_text()
         self._template_source = template
+        # a family whose checkpoints ship no template (DeepSeek's) renders chat with its own encoder
+        self._family_chat = _family_chat(path) if template is None else None
         self.bos_id = self._special_id("bos_token")
         self.eos_id = self._special_id("eos_token")
 
@@ -134,18 +136,35 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """`messages` ([{"role", "content"}]) as prompt text, rendered by the checkpoint's chat template.
+        """`messages` ([{"role", "content"}]) as prompt text, rendered by the checkpoint's chat template, or
+        without one by its family's own encoder (DeepSeek-V4 and V4.1: `rackserve.models.deepseek_v4.chat`),
+        which always ends with the reply's opening.
 
         The text starts with BOS when the template writes it (most do): encode it with add_bos=False.
         add_generation_prompt ends the text with the assistant's turn opening, so the model replies.
-        Raises ValueError when the checkpoint has no template or the template refuses the messages.
+        Raises ValueError when the checkpoint has neither or either refuses the messages.
         """
+        if self._family_chat is not None:
+            # chat mode: until the endpoint returns reasoning apart from the answer, a reply that reasons
+            # first would put its reasoning in the content
+            return self._family_chat(messages, thinking=False)
         try:
             return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                               bos_token=self._special_token("bos_token") or "",
                                               eos_token=self._special_token("eos_token") or "")
         except jinja2.TemplateError as e:
             raise ValueError(f"this model's chat template cannot render these messages: {e}") from None
+
+
+def _family_chat(path: Path):
+    """The chat encoder of the family of the checkpoint at `path` (its config.json), if it has one."""
+    from rackserve.config import ConfigError
+    from rackserve.models import family_of, read_config_json  # the registry imports the families' models
+
+    try:
+        return family_of(read_config_json(path)).chat
+    except ConfigError:  # no config.json, or not one of ours: no encoder, the chat endpoint says so
+        return None
 
 
 def _raise_template_error(message: str) -> None:

@@ -3,9 +3,11 @@ loader, the Engram memory and the tiny checkpoint. Registered as the `deepseek_v
 (`rackserve.models`). `FLASH_CONFIG` is DeepSeek-V4.1-Flash's published config.json (shapes only: what
 `rackserve memory` reports on when no checkpoint is at hand)."""
 
+import functools
 from pathlib import Path
 
 from rackserve.models import register
+from rackserve.models.deepseek_v4.chat import V41, encode_chat
 from rackserve.models.deepseek_v41.config import ModelConfig
 from rackserve.models.deepseek_v41.loader import load_model
 from rackserve.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -13,6 +15,7 @@ from rackserve.models.interface import ModelFamily
 
 FLASH_CONFIG = Path(__file__).parent / "flash_config.json"
 
-register(ModelFamily("deepseek_v41", ModelConfig.from_dict, load_model, DeepseekV41ForCausalLM))
+register(ModelFamily("deepseek_v41", ModelConfig.from_dict, load_model, DeepseekV41ForCausalLM,
+                     chat=functools.partial(encode_chat, V41)))
 
 __all__ = ["FLASH_CONFIG", "DeepseekV41ForCausalLM", "ModelConfig", "load_model"]
