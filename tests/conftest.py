@@ -226,7 +226,7 @@ def assert_recovered(row, replayed: bool | None) -> None:
     from rackserve.bench import faults
 
     assert row.hung == 0, row
-    assert row.completed == row.streams, row  # nothing lost, nothing changed
+    assert row.completed == row.streams, (row.differences, row)  # nothing lost, nothing changed
     if replayed is not None:
         assert (row.replayed == row.streams) if replayed else (row.replayed == 0), row
     assert row.recovery_s < RECOVERY_S, row

@@ -132,6 +132,34 @@ def test_n_choices_over_http_are_the_python_apis_with_their_seeds(client, tiny_c
     assert texts == want and finished == {0, 1}
 
 
+def test_tokenize_and_detokenize_take_vllm_s_shapes(server, tiny_checkpoint):
+    tok = Tokenizer(tiny_checkpoint)
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{server}{path}", json=body, headers=auth, timeout=60)
+
+    got = post("/tokenize", {"model": "tiny", "prompt": PROMPT, "return_token_strs": True}).json()
+    assert got["tokens"] == tok.encode(PROMPT) and got["count"] == len(got["tokens"]) and got["max_model_len"] > 0
+    assert got["token_strs"] == [tok.token_string(t) for t in got["tokens"]]
+    assert post("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"] == tok.encode(
+        PROMPT, add_bos=False)
+    messages = [{"role": "user", "content": "Where is the rack?"}]
+    chat = post("/tokenize", {"messages": messages}).json()  # what the chat endpoint prefills
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    assert chat["token_strs"] is None
+    assert post("/detokenize", {"model": "tiny", "tokens": got["tokens"]}).json()["prompt"] == tok.decode(
+        got["tokens"], skip_special_tokens=False)
+    for path, body, param in (("/tokenize", {"prompt": PROMPT, "messages": messages}, "prompt"),
+                              ("/tokenize", {"prompt": PROMPT, "chat_template": "x"}, "chat_template"),
+                              ("/tokenize", {"prompt": PROMPT, "model": "other"}, "model"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": [1], "extra": 1}, "extra")):
+        response = post(path, body)
+        assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, body
+    assert httpx.post(f"{server}/tokenize", json={"prompt": "x"}, timeout=60).status_code == 401
+
+
 @pytest.mark.slow
 def test_50_json_schema_requests_streamed_over_http_validate(client):
     """Through P/D (the decode rank rebuilds each grammar from the first token the prefill rank sampled),

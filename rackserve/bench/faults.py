@@ -116,6 +116,8 @@ class Row:
     push_failures_after: int
     recomputed_after: int
     memory_back: bool
+    # the streams that completed with other text: "index (greedy | seeded, n choices): where the texts part"
+    differences: tuple[str, ...] = ()
 
     @property
     def ttft_ratio(self) -> float:
@@ -207,7 +209,7 @@ def run_streams(url: str, batch: list[list[int]], osl: int) -> list[tuple[Outcom
     runs = []
     for i, p in enumerate(batch):
         out = Outcome()
-        seed, n = (i, 2 if i % 4 == 3 else 1) if i % 2 else (None, 1)
+        seed, n = _sampling(i)
         thread = threading.Thread(target=stream, args=(url, p, osl, out, 120.0, seed, n), daemon=True)
         thread.start()
         runs.append((out, thread))
@@ -366,7 +368,22 @@ def run_fault(app: App, fault: str, inject: Callable[[App, list[Outcome]], None]
                errored=sum(o.done and o.error is not None for o in outs), hung=sum(not o.done for o in outs),
                replayed=None if replays is None else round(replayed(app) - replays), recovery_s=recovery,
                ttft_before_ms=before, ttft_after_ms=after, push_failures_after=failures, recomputed_after=recomputes,
-               memory_back=memory_back)
+               memory_back=memory_back,
+               differences=tuple(_difference(i, o.text, want) for i, (o, want) in enumerate(zip(outs, expected))
+                                 if o.done and o.error is None and o.text != want))
+
+
+def _difference(index: int, got: str, want: str) -> str:
+    """Which stream of `run_streams` parted from its undisturbed text, and where."""
+    seed, n = _sampling(index)
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    kind = "greedy" if seed is None else f"seeded, n={n}"
+    return f"stream {index} ({kind}): at character {at}, {want[at:at + 24]!r} became {got[at:at + 24]!r}"
+
+
+def _sampling(index: int) -> tuple[int | None, int]:
+    """(seed, choices) of stream `index` of `run_streams`: every other one greedy, every fourth two choices."""
+    return (index, 2 if index % 4 == 3 else 1) if index % 2 else (None, 1)
 
 
 def table(rows: list[Row]) -> str:
@@ -414,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
         ray.shutdown()
         cluster.shutdown()
     print(f"tiny model over HTTP on 4 local Ray nodes, {args.streams} streams of {args.osl} tokens in flight "
-          "(half greedy, half seeded samples under penalties) "
+          "(half greedy, half seeded samples under penalties, every fourth of two choices) "
           f"at each fault; TTFT: p50 of {args.probes} sequential 1-token requests; 'same': the undisturbed text; "
           "shared CPU\n")
     print(table(rows))

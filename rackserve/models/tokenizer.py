@@ -132,6 +132,10 @@ class Tokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
+    def token_string(self, token_id: int) -> str:
+        """The vocabulary entry of `token_id` as the tokenizer stores it (byte-level pieces as such)."""
+        return self._tok.id_to_token(token_id)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -145,6 +149,9 @@ class Tokenizer:
         Raises ValueError when the checkpoint has neither or either refuses the messages.
         """
         if self._family_chat is not None:
+            if not add_generation_prompt:
+                raise ValueError("this model's chat encoding always ends a conversation with the opening of the "
+                                 "reply; send add_generation_prompt true")
             # chat mode: until the endpoint returns reasoning apart from the answer, a reply that reasons
             # first would put its reasoning in the content
             return self._family_chat(messages, thinking=False)

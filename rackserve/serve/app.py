@@ -2,6 +2,7 @@
 one data plane.
 
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending in [DONE])
+    POST /tokenize, /detokenize                   (vLLM's shapes)
     GET  /v1/models, /health, /metrics
 
 `build(settings)` is the Ray Serve application builder (`serve run deploy/tiny-cpu.yaml`,
@@ -194,6 +195,33 @@ class OpenAIServer:
         self.metrics.replays.set(self.deployment.replayed)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /tokenize: the token ids of a text prompt, or of chat messages as the chat endpoint renders them."""
+        try:
+            self._authorize(request)
+            req = api.parse_tokenize(api.parse_json(await _read_body(request)), [self.config.model_name])
+            if req.messages is not None:
+                ids = self._chat_ids(req.messages, req.add_generation_prompt, req.add_special_tokens)
+            else:
+                ids = self._text_tokenizer("prompt").encode(req.prompt, add_bos=req.add_special_tokens)
+        except api.APIError as e:
+            return _error(e)
+        strs = [self.tokenizer.token_string(t) for t in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /detokenize: the text of token ids, special tokens included."""
+        try:
+            self._authorize(request)
+            ids = api.parse_detokenize(api.parse_json(await _read_body(request)), [self.config.model_name],
+                                       self.vocab_size)
+            text = self._text_tokenizer("tokens").decode(ids, skip_special_tokens=False)
+        except api.APIError as e:
+            return _error(e)
+        return JSONResponse({"prompt": text})
+
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return self._signed(await self._generate(request, chat=False))
@@ -335,20 +363,31 @@ class OpenAIServer:
         except GrammarError as e:
             raise api.APIError(400, str(e), param=param) from None
 
+    def _text_tokenizer(self, param: str) -> Tokenizer:
+        """The model's tokenizer, or a 400 on `param` saying this model has none."""
+        if self.tokenizer is None:
+            raise api.APIError(400, "this model has no tokenizer; send the prompt as token ids to /v1/completions",
+                               param=param)
+        return self.tokenizer
+
+    def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                  add_bos: bool = False) -> list[int]:
+        """Chat messages as the model's prompt ids (its template or its family's encoder places BOS)."""
+        tok = self._text_tokenizer("messages")
+        try:
+            return tok.encode(tok.apply_chat_template(messages, add_generation_prompt), add_bos=add_bos)
+        except ValueError as e:
+            raise api.APIError(400, str(e), param="messages") from None
+
     def _prompt_ids(self, req, chat: bool) -> list[int]:
-        tok = self.tokenizer
-        if chat or isinstance(req.prompt, str):
-            if tok is None:
-                raise api.APIError(400, "this model has no tokenizer; send the prompt as token ids to /v1/completions",
-                                   param="prompt")
-        elif req.echo and tok is None:
+        if chat:
+            return self._chat_ids(req.messages)
+        if isinstance(req.prompt, str):
+            self._text_tokenizer("prompt")
+        elif req.echo and self.tokenizer is None:
             raise api.APIError(400, "echo gives the prompt back as text, which needs the model's tokenizer; this model "
                                     "has none: drop echo", param="echo")
-        if chat:
-            try:
-                return tok.encode(tok.apply_chat_template(req.messages), add_bos=False)
-            except ValueError as e:
-                raise api.APIError(400, str(e), param="messages") from None
+        tok = self.tokenizer
         ids = tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise api.APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")

@@ -21,6 +21,10 @@ HONOURED = {
     "completions": frozenset({"model", "prompt", "echo", "user", "prompt_cache_key", *_SAMPLING}),
     "chat": frozenset({"model", "messages", "top_logprobs", "max_completion_tokens", "user", "prompt_cache_key",
                        *_SAMPLING}),
+    # vLLM's /tokenize (a prompt, or chat messages) and /detokenize
+    "tokenize": frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                           "return_token_strs"}),
+    "detokenize": frozenset({"model", "tokens"}),
 }
 
 _NOT_YET_TOOLS = "tool calling comes with each model family's chat encoding"

@@ -478,6 +478,56 @@ def parse_chat(body: dict, served_models: list[str]) -> ChatRequest:
     )
 
 
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """A /tokenize body, vLLM's shapes: a text `prompt` (BOS added unless add_special_tokens is false), or
+    chat `messages` rendered as /v1/chat/completions renders them (the template places the special tokens;
+    add_special_tokens adds BOS on top); return_token_strs: also each token's string."""
+
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+def parse_tokenize(body: dict, served_models: list[str]) -> TokenizeRequest:
+    """A /tokenize body as a typed request; APIError (400, or 404 for an unknown model) if it is not one."""
+    _optional_model(body, served_models)
+    _check_fields(body, "tokenize")
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise _invalid("send a text prompt or chat messages, one of the two", "prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise _invalid(f"prompt must be a string, not {_json_type(prompt)}", "prompt")
+    if messages is not None:
+        if not isinstance(messages, list) or not messages:
+            raise _invalid(f"messages must be a non-empty array of {{role, content}} objects, not {_show(messages)}",
+                           "messages")
+        messages = [_message(i, m) for i, m in enumerate(messages)]
+    special = _get(body, "add_special_tokens", _BOOLEAN)
+    generation = _get(body, "add_generation_prompt", _BOOLEAN)
+    return TokenizeRequest(prompt, messages, add_special_tokens=prompt is not None if special is None else special,
+                           add_generation_prompt=True if generation is None else generation,
+                           return_token_strs=bool(_get(body, "return_token_strs", _BOOLEAN)))
+
+
+def parse_detokenize(body: dict, served_models: list[str], vocab_size: int) -> list[int]:
+    """A /detokenize body's token ids, each in [0, vocab_size); APIError if it is not one."""
+    _optional_model(body, served_models)
+    _check_fields(body, "detokenize")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in tokens):
+        raise _invalid(f"tokens must be an array of token ids in [0, {vocab_size}), not {_show(tokens)}", "tokens")
+    return tokens
+
+
+def _optional_model(body: dict, served_models: list[str]) -> None:
+    """The utility endpoints' `model` may be left out; given, it must be served here."""
+    if body.get("model") is not None:
+        _model(body, served_models)
+
+
 def session_of(body: dict, headers) -> str | None:
     """The routing session of a request: its `X-Session-Id` header, else its `prompt_cache_key` (OpenAI's
     name for what shares a cached prefix), else its `user` field, else None."""
