@@ -224,6 +224,8 @@ class DeploymentClient:
                                num_prompt_tokens=len(route.ids), num_output_tokens=len(route.tokens[i])) for i in over]
         resumed = {i: list(route.tokens.get(i, [])) for i in left if i not in over}
         if not resumed:
+            if not ended:  # every choice had finished, yet the stream had not: nothing to replay
+                raise error
             ended[-1].finished = True
             return ended
         route.replays += 1  # a new engine id
