@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rackserve.engine import LLM, SamplingParams
+from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.engine.penalties import ChunkRows, TokenHistory, bad_word_ids, build_adjustments
 from rackserve.engine.request import Request
 from rackserve.engine.sampling import SamplingBatch, sample
@@ -277,10 +278,27 @@ def test_a_resumed_request_goes_on_as_if_it_had_never_stopped():
             outputs += [o for o in engine.step() if o.request_id == req.request_id]
         assert req.output_ids == whole.token_ids
         assert outputs[-1].num_output_tokens == len(whole.token_ids)
-        assert "".join(o.new_text for o in outputs) == whole.text[len(engine.tokenizer.decode(whole.token_ids[:k])):]
+        # the text an undisturbed run had sent after k tokens, then the replay's: the whole text
+        first = IncrementalDetokenizer(engine.tokenizer, engine.tokenizer.encode(text))
+        sent = "".join(first.add([t]) for t in whole.token_ids[:k])
+        assert sent + "".join(o.new_text for o in outputs) == whole.text
     with pytest.raises(ValueError, match="leave nothing to generate"):
         engine.add_request(text, p, resumed={0: whole.token_ids})
 
+
+
+def test_a_replay_that_resumes_mid_character_sends_the_whole_character():
+    """The streamed tokens end with a character's first byte (its text held back): the replay sends
+    the character once its last byte comes, not a replacement character for each half."""
+    llm = LLM("tiny-code")
+    tok = llm.engine.tokenizer
+    first, last = (tok._tok.token_to_id(piece) for piece in ("Ã", "©"))  # byte-level pieces of é's two bytes
+    p = SamplingParams(temperature=0, max_tokens=2, allowed_token_ids=[last])
+    req = llm.engine.add_request("x = '", p, resumed={0: [first]})
+    outputs = []
+    while not req.finished:
+        outputs += llm.engine.step()
+    assert req.output_ids == [first, last] and "".join(o.new_text for o in outputs) == "é"
 
 
 def test_the_token_counts_are_inside_the_state_budget():

@@ -20,10 +20,10 @@ unfinished choices already streamed, on whichever decode rank the router picks
 (another instance's at once, if there is one serving: the failed one is avoided until its fresh
 gang is up), and its stream goes on from there; the caller sees a pause, not an error. A greedy or
 seeded request's output is the one an undisturbed run gives (the resumed tokens are prefilled
-instead of decoded, which changes only the floats' summation order). Text held back at the failure
-for a possible stop string is sent on, but a stop string that straddles the failure point is not
-recognised. A request that cannot be replayed within `REPLAY_S` of its failure ends with an
-`InstanceError` saying so. What the client holds per request lives only while the request runs.
+instead of decoded, which changes only the floats' summation order), and so is its text: the replay's
+rank holds back what the failed one held (a character's first bytes, the start of a possible stop
+string) and sends it when that would have. A request that cannot be replayed within `REPLAY_S` of its
+failure ends with an `InstanceError` saying so. What the client holds per request lives only while the request runs.
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ class _Route:
     sent: dict[int, int] = field(default_factory=dict)  # characters of text streamed
     done: set[int] = field(default_factory=set)  # choices finished
     replays: int = 0  # attempts to replay it so far
-    held: dict[int, str] = field(default_factory=dict)  # text held back at the failure, sent with the next output
 
     @property
     def engine_id(self) -> str:
@@ -87,8 +86,7 @@ class _Route:
         """An output as the request's own: its id, counts and text as if it had never stopped."""
         if self.replays:
             # the ranks count the resumed tokens as output; a prefix hit may reach into them
-            out = replace(out, request_id=self.request_id, new_text=self.held.pop(out.index, "") + out.new_text,
-                          num_cached_tokens=min(out.num_cached_tokens, len(self.ids)))
+            out = replace(out, request_id=self.request_id, num_cached_tokens=min(out.num_cached_tokens, len(self.ids)))
         self.tokens.setdefault(out.index, []).extend(out.new_token_ids)
         self.sent[out.index] = self.sent.get(out.index, 0) + len(out.new_text)
         if out.finish_reason is not None:
@@ -218,9 +216,8 @@ class DeploymentClient:
         if self._closed:  # the deployment is stopping: nothing to replay on
             raise error
         left = [i for i in range(route.params.n) if i not in route.done]
-        route.held = {i: self._held_text(route, i) for i in left}
         over = [i for i in left if len(route.tokens.get(i, [])) >= route.params.max_tokens]
-        ended = [RequestOutput(route.request_id, [], route.held.pop(i), False, "length", index=i,
+        ended = [RequestOutput(route.request_id, [], self._held_text(route, i), False, "length", index=i,
                                num_prompt_tokens=len(route.ids), num_output_tokens=len(route.tokens[i])) for i in over]
         resumed = {i: list(route.tokens.get(i, [])) for i in left if i not in over}
         if not resumed:
@@ -244,7 +241,8 @@ class DeploymentClient:
                 time.sleep(REPLAY_RETRY_S)
 
     def _held_text(self, route: _Route, index: int) -> str:
-        """Text of the tokens choice `index` streamed so far that was not sent yet (held back for a stop string)."""
+        """Text of the tokens choice `index` streamed so far that was not sent yet (held back for a stop string
+        or an unfinished character), as the request's end would have flushed it."""
         tokens = route.tokens.get(index)
         if self.tokenizer is None or not tokens:
             return ""

@@ -194,10 +194,14 @@ class Engine:
             matcher = self.grammars().matcher(params.structured, tokens) if params.structured is not None else None
             detok = None
             if self.tokenizer is not None:
-                # the resumed output's text was sent before: it is context, and counts toward min_tokens
-                detok = IncrementalDetokenizer(self.tokenizer, ids + tokens, stop=params.stop,
+                detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
                                                skip_special_tokens=params.skip_special_tokens,
-                                               min_tokens=max(0, params.min_tokens - len(tokens)))
+                                               min_tokens=params.min_tokens)
+                # the resumed output goes through as it did the first time, one token a step: what came out
+                # then was sent; what was held back (a character's first bytes, a possible stop string's
+                # start) is held again and comes out as it would have
+                for token in tokens:
+                    detok.add([token])
             seed = params.choice_seed(index)
             choices.append(Request(request_id, ids, params, self._seeds.getrandbits(63) if seed is None else seed,
                                    arrival=next(self._ids), eos_ids=self.eos_ids, resumed=list(tokens),
