@@ -326,7 +326,7 @@ class Engine:
             handle = self.cache.allocate()
             if handle is None:
                 break
-            num_tokens = inc.num_tokens if inc.pulled else inc.request.num_pushed
+            num_tokens = inc.state_tokens
             if not self.cache.reserve(handle, num_tokens + 1):
                 self.cache.free(handle)
                 break

@@ -72,6 +72,11 @@ class Incoming:
     def ready(self) -> bool:
         return self.read is None if self.pulled else self.first is not None
 
+    @property
+    def state_tokens(self) -> int:
+        """Tokens of the state that comes in: the pulled prefix's, or what the prefill rank pushes."""
+        return self.num_tokens if self.pulled else self.request.num_pushed
+
 
 @dataclass
 class StoreLink:
@@ -166,7 +171,7 @@ class KVPort:
 
     def load(self, inc: Incoming, handle: CacheHandle) -> None:
         """Copy an arrived state into `handle` (holding pages for its tokens) and release its range."""
-        num_tokens = inc.num_tokens if inc.pulled else inc.request.num_pushed
+        num_tokens = inc.state_tokens
         self.cache.fence()
         self.cache.state.import_from(handle, self.agent.view(inc.offset, inc.nbytes), num_tokens)
         del self.incoming[inc.request.request_id]

@@ -113,8 +113,8 @@ class StepInFlight:
 
 
 class Runner:
-    def __init__(self, model: ServingModel, cache: StateCache, speculator: Speculator | None = None,
-                 max_requests: int = 1):
+    def __init__(self, model: ServingModel, cache: StateCache, speculator: Speculator | None,
+                 max_requests: int):
         """`max_requests`: the most requests that sample in one step (`max_num_seqs`)."""
         self.model, self.cache, self.speculator = model, cache, speculator
         self.drafter = speculator.drafter if speculator is not None else None
