@@ -147,7 +147,7 @@ def test_a_checkpoint_without_a_template_chats_through_its_family_s_encoder(requ
     config.pop("chat_template", None)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the rack?"}]
-    assert Tokenizer(tmp_path).apply_chat_template(messages) == encode_chat(spec, messages, thinking=False)
+    assert Tokenizer(tmp_path).apply_chat_template(messages) == encode_chat(spec, messages)  # thinking mode
     (tmp_path / "config.json").unlink()  # no family known: the chat endpoint's error names the missing template
     with pytest.raises(ValueError, match="no chat_template"):
         Tokenizer(tmp_path).apply_chat_template(messages)

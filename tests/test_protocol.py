@@ -14,7 +14,9 @@ from rackserve.engine import SamplingParams
 from rackserve.engine.grammar import GrammarSpec
 from rackserve.engine.request import TokenLogprobs
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
-from rackserve.models.tokenizer import CHAT_TEMPLATE, Tokenizer
+from rackserve.models import resolve
+from rackserve.models.deepseek_v4.chat import V4_TOKENS
+from rackserve.models.tokenizer import Tokenizer, save_tokenizer, train_byte_bpe
 from rackserve.serve.protocol import (
     MAX_BODY_BYTES,
     APIError,
@@ -167,7 +169,7 @@ def test_at_most_four_stop_strings():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("best_of", 3), ("suffix", "end"), ("tools", [{"type": "function"}]),
+    ("best_of", 3), ("suffix", "end"), ("functions", [{"name": "f"}]),
     ("use_beam_search", True), ("store", True), ("metadata", {"k": "v"}), ("priority", 1),
 ])
 def test_unsupported_fields_are_refused_unless_default(field, value):
@@ -286,6 +288,15 @@ HONOURED = {  # field -> (a value asking for something, what the parsed request 
     "structured_outputs": ({"regex": "a+"}, lambda r: r.base_params.structured == GrammarSpec("regex", "a+")),
 }
 REQUIRED = {"model", "prompt", "messages"}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+CHAT_HONOURED = {  # chat's own fields: tools and reasoning
+    "tools": (TOOLS, lambda r: r.tools == TOOLS and r.tool_choice == "auto"),
+    "tool_choice": ("required", lambda r: r.tool_choice == "required" and r.forced_tools == [TOOLS[0]["function"]]),
+    "parallel_tool_calls": (False, lambda r: not r.parallel_tool_calls),
+    "reasoning_effort": ("max", lambda r: r.reasoning_effort == "max"),
+    "chat_template_kwargs": ({"thinking": False}, lambda r: r.thinking is False),
+    "include_reasoning": (False, lambda r: not r.include_reasoning),
+}
 ASKING = {  # refused fields: a value that asks for something this server does not do
     "best_of": 2, "suffix": "!", "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
     "functions": [{"name": "f"}], "function_call": "auto",
@@ -341,9 +352,13 @@ def test_every_field_of_openai_s_and_vllm_s_schemas_is_honoured_or_refused(endpo
             assert req != plain and check(req), name
         elif name == "top_logprobs":
             assert parse(logprobs=True, top_logprobs=3).top_logprobs == 3
-        elif name == "parallel_tool_calls":  # says how tools are called, and tools are refused
+        elif endpoint == "chat" and name in CHAT_HONOURED:
+            value, check = CHAT_HONOURED[name]
+            req = parse(**{name: value, **({"tools": TOOLS} if name in ("tool_choice", "parallel_tool_calls") else {})})
+            assert req != plain and check(req), name
+        elif name == "parallel_tool_calls":  # says how tools are called, and tools are chat's
             assert parse(parallel_tool_calls=False) == plain
-            assert_400(bad(parallel_tool_calls=False, tools=[{"type": "function"}]), "tools", "not supported")
+            assert_400(bad(parallel_tool_calls=False, tools=TOOLS), "tools", "not supported")
         else:
             asking = {**ASKING, "add_special_tokens": endpoint == "chat", "echo": True}  # the defaults differ
             assert name in asking, f"{name}: a field of no list"
@@ -380,18 +395,21 @@ def test_malformed_prompts(prompt, words):
     assert_400(bad_completion(prompt=prompt), "prompt", *words)
 
 
-def test_message_content_parts_are_joined():
-    req = chat(messages=[{"role": "system", "content": "Be brief."},
-                         {"role": "user", "name": "ann", "content": [{"type": "text", "text": "one"},
-                                                                      {"type": "text", "text": "two"}]}])
-    assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "one\ntwo"}]
+def test_message_content_parts_are_kept_for_the_template_to_join():
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    req = chat(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}])
+    assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    # a participant's name has no place in these models' prompts: refused, not dropped
+    assert_400(bad_chat(messages=[{"role": "user", "name": "ann", "content": "Hi"}]), "messages",
+               "messages[0].name is not taken in a user message")
 
 
 @pytest.mark.parametrize("messages, words", [
     (None, ["non-empty array"]),
     ([], ["non-empty array"]),
     (["Hi"], ["messages[0] must be an object"]),
-    ([{"role": "tool", "content": "x"}], ["messages[0].role", "tool", "system"]),
+    ([{"role": "robot", "content": "x"}], ["messages[0].role", "tool", "system"]),
+    ([{"role": "tool", "content": "x"}], ["messages[0].tool_call_id must name the call"]),
     ([{"content": "x"}], ["messages[0].role is null"]),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], ["messages[1].content", "number"]),
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}],
@@ -595,8 +613,8 @@ def test_openai_client_bodies_parse_and_responses_parse_back():
 # --- the chat template --------------------------------------------------------------------------------------------
 
 
-def test_tiny_chat_template_renders_and_round_trips(tiny_checkpoint):
-    tok = Tokenizer(tiny_checkpoint)
+def test_tiny_chat_template_renders_and_round_trips():
+    tok = Tokenizer(resolve("tiny-code"))  # the plain template of our own checkpoints
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, 日本語 🚀"}]
     text = tok.apply_chat_template(messages)
     assert text == "<|begin_of_sentence|><|system|>\nBe brief.\n<|user|>\nHi, 日本語 🚀\n<|assistant|>\n"
@@ -620,15 +638,15 @@ def test_missing_or_refusing_chat_template(tiny_checkpoint, tmp_path):
         Tokenizer(path).apply_chat_template(CHAT)
 
 
-def test_ensure_tiny_upgrades_a_cache_without_chat_template(tiny_checkpoint, tmp_path):
+def test_ensure_tiny_upgrades_a_cache_with_older_tokenizer_files(tiny_checkpoint, tmp_path):
     path = tmp_path / "cache"
     shutil.copytree(tiny_checkpoint, path)
-    config_file = path / "tokenizer_config.json"
-    old = {k: v for k, v in json.loads(config_file.read_text()).items() if k != "chat_template"}
-    config_file.write_text(json.dumps(old))
+    save_tokenizer(train_byte_bpe(512), path)  # the plain tokens and template tiny checkpoints had before
     weights = (path / "model.safetensors").stat().st_mtime_ns
+    assert not V4_TOKENS.written_in(path)
     assert ensure_tiny(path) == path
-    assert json.loads(config_file.read_text())["chat_template"] == CHAT_TEMPLATE
+    assert V4_TOKENS.written_in(path)
+    assert "chat_template" not in json.loads((path / "tokenizer_config.json").read_text())
     assert (path / "model.safetensors").stat().st_mtime_ns == weights
     assert (path / "model.safetensors").read_bytes() == (tiny_checkpoint / "model.safetensors").read_bytes()
     assert (path / "tokenizer.json").read_bytes() == (tiny_checkpoint / "tokenizer.json").read_bytes()

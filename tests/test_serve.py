@@ -19,12 +19,13 @@ from conftest import free_port
 from ray import serve
 
 from rackserve.engine import LLM, SamplingParams
-from rackserve.models.tokenizer import Tokenizer
+from rackserve.models.tokenizer import ChatOptions, Tokenizer
 from rackserve.serve import ingress
 from rackserve.serve.app import build, delete
 
 KEY = "test-key"
 PROMPT = "The rack hums"
+CHAT_MODE = {"chat_template_kwargs": {"thinking": False}}  # DeepSeek chat mode: the whole reply is content
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,10 @@ def test_the_openai_client_gets_the_python_apis_text(client, tiny_checkpoint):
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the rack?"}]
     tok = Tokenizer(tiny_checkpoint)
-    want = python_api_text(tiny_checkpoint, tok.encode(tok.apply_chat_template(messages), add_bos=False), 9)
+    # chat mode: the reply is all content (thinking mode puts what comes before </think> in reasoning_content)
+    prompt = tok.apply_chat_template(messages, options=ChatOptions(thinking=False))
+    want = python_api_text(tiny_checkpoint, tok.encode(prompt, add_bos=False), 9)
+    extra = {**extra, **CHAT_MODE}
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0,
                                           extra_body=extra)
     assert chat.choices[0].message.content == want and chat.choices[0].message.role == "assistant"
@@ -118,8 +122,9 @@ def test_n_choices_over_http_are_the_python_apis_with_their_seeds(client, tiny_c
 
     messages = [{"role": "user", "content": "Where is the rack?"}]
     tok = Tokenizer(tiny_checkpoint)
-    ids = tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    ids = tok.encode(tok.apply_chat_template(messages, options=ChatOptions(thinking=False)), add_bos=False)
     want = [c.text for c in LLM(tiny_checkpoint).generate([ids], SamplingParams(n=2, ignore_eos=True, **p))]
+    extra = {**extra, **CHAT_MODE}
     chat = client.chat.completions.create(model="tiny", messages=messages, n=2, extra_body=extra, **p)
     assert [c.message.content for c in chat.choices] == want
     texts, finished = ["", ""], set()
@@ -172,9 +177,9 @@ def test_50_json_schema_requests_streamed_over_http_validate(client):
     def one(i_schema):
         i, schema = i_schema
         fmt = dict(response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
-                                                                            "strict": True}})
+                                                                            "strict": True}}, extra_body=CHAT_MODE)
         if i % 2:
-            fmt = dict(extra_body={"structured_outputs": {"json": schema}})
+            fmt = dict(extra_body={"structured_outputs": {"json": schema}, **CHAT_MODE})
         chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"JSON {i}"}],
                                                 max_tokens=200, temperature=0.7 if i % 3 else 0, seed=i, stream=True,
                                                 **fmt)

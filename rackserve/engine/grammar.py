@@ -25,7 +25,10 @@ import llguidance
 import llguidance.torch
 import torch
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+from rackserve.engine.tool_grammar import text_until, tool_calls_lark
+from rackserve.models.reply import FORMATS
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
 # JSON as a model writes it by default (", " and ": "), one way only: flexible whitespace lets a model
 # pad forever where the grammar cannot end, and costs mask time for nothing
 _JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -38,11 +41,15 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's output must match. kind: "json_schema" (source: the schema as JSON text),
-    "json_object" (any JSON object; source ""), "regex", "choice" (source: a JSON array of strings)
-    or "grammar" (Lark, or GBNF as llama.cpp writes it)."""
+    "json_object" (any JSON object; source ""), "regex", "choice" (source: a JSON array of strings),
+    "grammar" (Lark, or GBNF as llama.cpp writes it) or "tool_calls" (source: JSON {"syntax": a
+    `rackserve.models.reply` format name, "tools": [{"name", "parameters"}], "parallel": bool}).
+    reasoning: (opener, closer) when the model may reason first: free text (after an optional opener) up to
+    the closer, then what the kind says; () when the output starts with it."""
 
     kind: str
     source: str = ""
+    reasoning: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -56,13 +63,31 @@ class GrammarSpec:
                 choices = None
             if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
                 raise GrammarError(f"a choice is a non-empty JSON array of strings, not {self.source[:60]!r}")
+        if len(self.reasoning) not in (0, 2):
+            raise GrammarError(f"reasoning is (opener, closer) or (), not {self.reasoning!r}")
+        object.__setattr__(self, "reasoning", tuple(self.reasoning))  # a list after a msgpack trip
 
     @classmethod
     def from_dict(cls, value: GrammarSpec | dict) -> GrammarSpec:
         """A spec from itself or its fields (how it travels to the ranks)."""
         return value if isinstance(value, cls) else cls(**value)
 
-    def _llguidance(self) -> str:
+    def _llguidance(self, literal: _Literals) -> str:
+        """The llguidance grammar (TopLevelGrammar JSON) of this spec."""
+        body = self._body(literal)
+        if not self.reasoning:
+            return body
+        opener, closer = self.reasoning
+        head = f"start: {literal(opener)}? thought @body\n{text_until('thought', closer, literal)}"
+        # llguidance gives Lark as text and the rest as TopLevelGrammar JSON
+        inner = json.loads(body)["grammars"][0] if body.startswith("{") else {"lark_grammar": body}
+        return json.dumps({"grammars": [{"lark_grammar": head}, {**inner, "name": "body"}]})
+
+    def _body(self, literal: _Literals) -> str:
+        if self.kind == "tool_calls":
+            calls = json.loads(self.source)
+            lark = tool_calls_lark(FORMATS[calls["syntax"]], calls["tools"], calls["parallel"], literal, _JSON_DEFAULTS)
+            return llguidance.grammar_from("lark", lark)
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.source)
@@ -77,6 +102,31 @@ class GrammarSpec:
             return llguidance.grammar_from("choice" if self.kind == "choice" else "grammar", self.source)
         except ValueError as e:
             raise GrammarError(f"the {self.kind} does not compile: {e}") from None
+
+
+class _Literals:
+    """Fixed text as Lark for one tokenizer: a special token (llguidance keeps added tokens such as <think>
+    out of free text) must be written as itself, `<[id]>`, and the rest as quoted text."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, tokenizer_json: str):
+        added = json.loads(tokenizer_json).get("added_tokens", [])
+        self._tokens = {t["content"]: t["id"] for t in added if tokenizer.is_special_token(t["id"])}
+
+    def __call__(self, text: str) -> str:
+        pieces, rest = [], text
+        while rest:
+            at, token = min(((rest.find(t), t) for t in self._tokens if t in rest), default=(-1, ""))
+            if at < 0:
+                pieces.append(json.dumps(rest, ensure_ascii=False))
+                break
+            if at:
+                pieces.append(json.dumps(rest[:at], ensure_ascii=False))
+            pieces.append(f"<[{self._tokens[token]}]>")
+            rest = rest[at + len(token):]
+        return " ".join(pieces) or '""'
+
+    def has_token(self, text: str) -> bool:
+        return any(t in text for t in self._tokens)
 
 
 class Matcher:
@@ -114,6 +164,7 @@ class Grammars:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int, cache_size: int = 256):
         self.vocab_size, self.cache_size = vocab_size, cache_size
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_id)
+        self._literal = _Literals(self._tokenizer, tokenizer_json)
         self._compiled: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
 
     @property
@@ -126,7 +177,7 @@ class Grammars:
         the spec does not compile or the tokens do not follow it."""
         template = self._compiled.get(spec)
         if template is None:
-            grammar = spec._llguidance()
+            grammar = spec._llguidance(self._literal)
             error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
             if error:
                 raise GrammarError(f"the {spec.kind.replace('_', ' ')} does not compile: {error.strip()}")

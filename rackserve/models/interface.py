@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from rackserve.models.moe import RoutedMoE
+from rackserve.models.reply import ReplyFormat
 from rackserve.models.state import PagedState, RequestState
 
 # a request's handle into the state and the token ids it runs in this forward
@@ -156,11 +157,13 @@ class ModelFamily:
     """A model family as the registry knows it: its `model_type`, how to read its config.json
     (a dict -> `ModelSpec`), how to load a checkpoint (`load(path, dtype=…, device=…, weights=…,
     shard=…) -> ServingModel`), its model class (`model_class(config)`, what memory estimates build
-    on the meta device) and, for a family whose checkpoints ship no jinja chat template, its own chat
-    encoding (`chat(messages, thinking=…) -> prompt text`, BOS included)."""
+    on the meta device), for a family whose checkpoints ship no jinja chat template its own chat
+    encoding (`chat(messages, tools=…, thinking=…, reasoning_effort=…, response_format=…) -> prompt text`,
+    BOS included), and how its replies mark reasoning and tool calls (`reply`, for reply parsing)."""
 
     model_type: str
     config_from_dict: Callable[[dict], ModelSpec]
     load: Callable[..., ServingModel]
     model_class: type | None = None
     chat: Callable[..., str] | None = None
+    reply: ReplyFormat | None = None

@@ -22,8 +22,10 @@ answers new generation requests, and /health, 503 + Retry-After while those in p
 
 import asyncio
 import hmac
+import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -35,9 +37,10 @@ from ray import serve
 from rackserve.actors.deployment_client import DeploymentClient
 from rackserve.actors.faults import InstanceError
 from rackserve.engine import RequestOutput
-from rackserve.engine.grammar import GrammarError, Grammars
+from rackserve.engine.grammar import GrammarError, Grammars, GrammarSpec
 from rackserve.models import BUILT_IN, resolve
-from rackserve.models.tokenizer import Tokenizer
+from rackserve.models.reply import ReplyDelta, ReplyFormat, ReplyParser
+from rackserve.models.tokenizer import ChatOptions, Tokenizer
 from rackserve.serve import protocol as api
 from rackserve.serve import responses
 from rackserve.serve.config import ServeConfig
@@ -58,23 +61,54 @@ app = FastAPI(title="rackserve", docs_url=None, redoc_url=None, openapi_url=None
 
 
 class _Choice:
-    """One choice's answer as it builds up: text, logprobs, finish reason, tokens generated."""
+    """One choice's answer as it builds up: text (content), reasoning, tool calls, logprobs, finish reason,
+    tokens generated. `parser` splits chat replies into those parts (None: all of it is content)."""
 
-    def __init__(self, echo: str):
-        self.text, self.logprobs, self.finish, self.tokens = "", [], None, 0
+    def __init__(self, echo: str, parser: ReplyParser | None):
+        self.text, self.reasoning, self.calls, self.logprobs, self.finish, self.tokens = "", "", [], [], None, 0
         self.echo = echo  # the prompt, sent with its first output (/v1/completions echo)
+        self.parser = parser
+
+    def take(self, new_text: str, finished: bool) -> ReplyDelta:
+        """The reply's parts in `new_text` (the choice's last text when `finished`), added to the choice."""
+        if self.parser is None:
+            delta = ReplyDelta(content=self.echo + new_text)
+        else:
+            delta = self.parser.feed(new_text)
+            if finished:
+                delta = delta.then(self.parser.finish())
+        self.echo = ""
+        self.text += delta.content
+        self.reasoning += delta.reasoning
+        self.calls += [call for _, call in delta.tool_calls]
+        return delta
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The engine's reason, or "tool_calls" for a reply that stopped after calling tools."""
+        return "tool_calls" if self.calls and self.finish == "stop" else self.finish
 
 
 class _Reply:
-    """One request's answer as it builds up: per choice (`n`) text and logprobs, usage, timings."""
+    """One request's answer as it builds up: per choice (`n`) text and logprobs, usage, timings.
+    chat_reply: how a chat reply reads (`OpenAIServer._chat_prompt`), None for plain text."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, request, arrival: float, tokenizer):
+    def __init__(self, request_id: str, model: str, chat: bool, request, arrival: float, tokenizer,
+                 chat_reply: tuple[ReplyFormat, bool, bool] | None = None):
         self.id, self.model, self.chat, self.request, self.arrival = request_id, model, chat, request, arrival
         self.decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else str
         echo = ""
         if not chat and request.echo:
             echo = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(list(request.prompt))
-        self.choices = [_Choice(echo) for _ in range(request.base_params.n)]
+
+        def parser() -> ReplyParser | None:
+            if chat_reply is None:
+                return None
+            fmt, reasoning, _ = chat_reply
+            return ReplyParser(fmt, reasoning=reasoning, tools=request.parses_tool_calls,
+                               parallel=request.parallel_tool_calls)
+
+        self.choices = [_Choice(echo, parser()) for _ in range(request.base_params.n)]
         self.error = None
         self.usage = responses.Usage(0, 0, 0)
         self.first_at = self.last_at = None
@@ -83,33 +117,47 @@ class _Reply:
     def wants_logprobs(self) -> bool:
         return self.request.logprobs if self.chat else self.request.base_params.logprobs is not None
 
-    def add(self, out: RequestOutput) -> dict | None:
-        """Take one engine output; the stream chunk to send for it, if any."""
+    def add(self, out: RequestOutput) -> list[dict]:
+        """Take one engine output; the stream chunks to send for it (none, one, or a tool call's two)."""
         now = time.monotonic()
         self.first_at = self.first_at or now
         self.last_at = now
         if out.error:
             self.error = out.error
-            return None
+            return []
         choice = self.choices[out.index]
-        text, choice.echo = choice.echo + out.new_text, ""
-        choice.text += text
+        delta = choice.take(out.new_text, out.finish_reason is not None)
         choice.logprobs += out.new_logprobs
         choice.finish, choice.tokens = out.finish_reason, out.num_output_tokens
         self.usage = responses.Usage(out.num_prompt_tokens, sum(c.tokens for c in self.choices), out.num_cached_tokens)
-        if not (text or choice.finish):
-            return None
-        if self.chat:
-            lp = responses.chat_logprobs(out.new_logprobs, self.decode) if self.wants_logprobs else None
-            return responses.chat_chunk(self.id, self.model, text, choice.finish, logprobs=lp, index=out.index)
-        lp = responses.completion_logprobs(out.new_logprobs, self.decode, len(choice.text) - len(out.new_text)) \
-            if self.wants_logprobs else None
-        return responses.completion_chunk(self.id, self.model, text, choice.finish, logprobs=lp, index=out.index)
+        finish = choice.finish_reason
+        if not self.chat:
+            if not (delta.content or finish):
+                return []
+            lp = responses.completion_logprobs(out.new_logprobs, self.decode, len(choice.text) - len(delta.content)) \
+                if self.wants_logprobs else None
+            return [responses.completion_chunk(self.id, self.model, delta.content, finish, logprobs=lp,
+                                               index=out.index)]
+        lp = responses.chat_logprobs(out.new_logprobs, self.decode) if self.wants_logprobs and out.new_logprobs \
+            else None
+        reasoning = delta.reasoning if self.request.include_reasoning else ""
+        chunks = []
+        if delta.content or reasoning or lp:
+            chunks.append(responses.chat_chunk(self.id, self.model, delta.content or None, None, logprobs=lp,
+                                               index=out.index, reasoning=reasoning or None))
+        for at, call in delta.tool_calls:  # as OpenAI streams a call: its name first, then its arguments
+            chunks += [responses.tool_call_chunk(self.id, self.model, out.index, at, call, name=True),
+                       responses.tool_call_chunk(self.id, self.model, out.index, at, call, name=False)]
+        if finish:
+            chunks.append(responses.chat_chunk(self.id, self.model, None, finish, index=out.index))
+        return chunks
 
     def response(self) -> dict:
         if self.chat:
-            choices = [responses.chat_choice(c.text, c.finish, responses.chat_logprobs(c.logprobs, self.decode)
-                                             if self.wants_logprobs else None, i) for i, c in enumerate(self.choices)]
+            choices = [responses.chat_choice(c.text, c.finish_reason, responses.chat_logprobs(c.logprobs, self.decode)
+                                             if self.wants_logprobs else None, i,
+                                             reasoning=c.reasoning if self.request.include_reasoning else "",
+                                             tool_calls=c.calls) for i, c in enumerate(self.choices)]
             return responses.chat_response(self.id, self.model, choices, self.usage)
         choices = [responses.completion_choice(c.text, c.finish, responses.completion_logprobs(c.logprobs, self.decode)
                                                if self.wants_logprobs else None, i) for i, c in enumerate(self.choices)]
@@ -202,7 +250,7 @@ class OpenAIServer:
             self._authorize(request)
             req = api.parse_tokenize(api.parse_json(await _read_body(request)), [self.config.model_name])
             if req.messages is not None:
-                ids = self._chat_ids(req.messages, req.add_generation_prompt, req.add_special_tokens)
+                ids, _ = self._chat_ids(req.messages, req.add_generation_prompt, req.add_special_tokens)
             else:
                 ids = self._text_tokenizer("prompt").encode(req.prompt, add_bos=req.add_special_tokens)
         except api.APIError as e:
@@ -242,9 +290,11 @@ class OpenAIServer:
             self._authorize(request)
             body = api.parse_json(await _read_body(request))
             req = (api.parse_chat if chat else api.parse_completion)(body, [self.config.model_name])
-            ids = self._prompt_ids(req, chat)
+            ids, chat_reply = self._chat_prompt(req) if chat else (self._prompt_ids(req), None)
             session = api.session_of(body, request.headers)
             params = req.sampling(len(ids), self.max_model_len, self.vocab_size)
+            if chat:
+                params = replace(params, structured=self._reply_grammar(req, params.structured, chat_reply))
             if params.structured is not None:
                 self._check_grammar(params.structured, body)
             if self.draining:  # checked where the count goes up, with no await between: see `_report_loop`
@@ -267,7 +317,8 @@ class OpenAIServer:
             return _error(api.APIError(503, f"the deployment could not take the request: {e}", "server_error"))
         if self.ending:  # routed while the replica ended its requests: its stream was opened after they were
             self.deployment.close(ENDED_WHY)
-        reply = _Reply(api.new_request_id(chat), self.config.model_name, chat, req, arrival, self.tokenizer)
+        reply = _Reply(api.new_request_id(chat), self.config.model_name, chat, req, arrival, self.tokenizer,
+                       chat_reply)
         if req.stream:
             return StreamingResponse(self._events(request_id, reply, endpoint), media_type="text/event-stream")
         status = 200
@@ -293,8 +344,7 @@ class OpenAIServer:
                 for i in range(len(reply.choices)):
                     yield responses.sse(responses.chat_chunk(reply.id, reply.model, "", None, role=True, index=i))
             async for out in outputs:
-                chunk = reply.add(out)
-                if chunk is not None:
+                for chunk in reply.add(out):
                     yield responses.sse(chunk)
             if reply.error:
                 yield responses.sse(api.APIError(400, reply.error).body())
@@ -354,7 +404,8 @@ class OpenAIServer:
                                "authentication_error", code="invalid_api_key")
 
     def _check_grammar(self, spec, body: dict) -> None:
-        param = "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
+        param = "tool_choice" if spec.kind == "tool_calls" else \
+            "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
         if self.grammars is None:
             raise api.APIError(400, "structured outputs need the model's tokenizer, which this checkpoint lacks",
                                param=param)
@@ -370,18 +421,50 @@ class OpenAIServer:
                                param=param)
         return self.tokenizer
 
-    def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                  add_bos: bool = False) -> list[int]:
-        """Chat messages as the model's prompt ids (its template or its family's encoder places BOS)."""
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, add_bos: bool = False,
+                  options: ChatOptions | None = None) -> tuple[list[int], str]:
+        """Chat messages as the model's prompt ids (its template or its family's encoder places BOS), and text."""
         tok = self._text_tokenizer("messages")
         try:
-            return tok.encode(tok.apply_chat_template(messages, add_generation_prompt), add_bos=add_bos)
+            text = tok.apply_chat_template(messages, add_generation_prompt, options)
         except ValueError as e:
             raise api.APIError(400, str(e), param="messages") from None
+        return tok.encode(text, add_bos=add_bos), text
 
-    def _prompt_ids(self, req, chat: bool) -> list[int]:
-        if chat:
-            return self._chat_ids(req.messages)
+    def _chat_prompt(self, req: api.ChatRequest) -> tuple[list[int], tuple[ReplyFormat, bool, bool] | None]:
+        """The prompt ids of a chat request, and how its reply reads: (the family's reply format, whether the
+        reply starts inside reasoning, whether it may reason first), None for a family that marks neither."""
+        options = ChatOptions(tools=req.tools, thinking=req.thinking, reasoning_effort=req.reasoning_effort,
+                              response_format=req.response_format)
+        ids, text = self._chat_ids(req.messages, options=options)
+        fmt = self.tokenizer.reply_format
+        if fmt is None:
+            return ids, None
+        # the prompt opened the reasoning (DeepSeek's thinking mode), or closed it (chat mode; Qwen3 without
+        # thinking); else the model opens it itself where its template taught it to (Qwen3's)
+        tail = text.rstrip()
+        starts = tail.endswith(fmt.think_start)
+        may = starts or (not tail.endswith(fmt.think_end) and self.tokenizer.template_mentions(fmt.think_start))
+        return ids, (fmt, starts, may)
+
+    def _reply_grammar(self, req: api.ChatRequest, spec: GrammarSpec | None,
+                       chat_reply: tuple[ReplyFormat, bool, bool] | None) -> GrammarSpec | None:
+        """What a chat reply must follow: its response format, or the calls `tool_choice` forces, after the
+        reasoning the model may write first."""
+        forced = req.forced_tools
+        if forced:
+            if chat_reply is None:
+                raise api.APIError(400, f"tool_choice {req.tool_choice!r} needs the model's tool-call syntax, and this "
+                                        "model's family has none; send tool_choice \"auto\"", param="tool_choice")
+            calls = {"syntax": chat_reply[0].name, "parallel": req.parallel_tool_calls,
+                     "tools": [{"name": f["name"], "parameters": f.get("parameters") or {}} for f in forced]}
+            spec = GrammarSpec("tool_calls", json.dumps(calls))
+        if spec is None or chat_reply is None or not chat_reply[2]:
+            return spec
+        fmt = chat_reply[0]
+        return replace(spec, reasoning=(fmt.think_start, fmt.think_end))
+
+    def _prompt_ids(self, req: api.CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
             self._text_tokenizer("prompt")
         elif req.echo and self.tokenizer is None:

@@ -20,14 +20,16 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_tok
 HONOURED = {
     "completions": frozenset({"model", "prompt", "echo", "user", "prompt_cache_key", *_SAMPLING}),
     "chat": frozenset({"model", "messages", "top_logprobs", "max_completion_tokens", "user", "prompt_cache_key",
-                       *_SAMPLING}),
+                       "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs",
+                       "include_reasoning", *_SAMPLING}),
     # vLLM's /tokenize (a prompt, or chat messages) and /detokenize
     "tokenize": frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                            "return_token_strs"}),
     "detokenize": frozenset({"model", "tokens"}),
 }
 
-_NOT_YET_TOOLS = "tool calling comes with each model family's chat encoding"
+_CHAT_ONLY = "tools and reasoning are chat features: use /v1/chat/completions"
+_LEGACY_FUNCTIONS = "the legacy functions API is not served: send tools and tool_choice"
 _BEAM = "this server does not run beam search"
 _STORE = "this server stores no completions"
 _MULTIMODAL = "rackserve serves text only"
@@ -37,15 +39,15 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     # OpenAI
     "best_of": ((1,), "one candidate is generated per choice"),
     "suffix": (("",), "this server does not insert text"),
-    "tools": (([],), _NOT_YET_TOOLS),
-    "tool_choice": (("none",), _NOT_YET_TOOLS),
-    "parallel_tool_calls": ((True, False), _NOT_YET_TOOLS),  # means nothing without tools
-    "functions": (([],), _NOT_YET_TOOLS),
-    "function_call": (("none",), _NOT_YET_TOOLS),
+    "tools": (([],), _CHAT_ONLY),
+    "tool_choice": (("none",), _CHAT_ONLY),
+    "parallel_tool_calls": ((True, False), _CHAT_ONLY),  # means nothing without tools
+    "functions": (([],), _LEGACY_FUNCTIONS),
+    "function_call": (("none",), _LEGACY_FUNCTIONS),
     "audio": ((), _MULTIMODAL),
     "modalities": ((["text"],), _MULTIMODAL),
     "prediction": ((), "predicted outputs are not used here; speculative decoding drafts its own"),
-    "reasoning_effort": ((), "reasoning is controlled by each model family's chat encoding"),
+    "reasoning_effort": ((), _CHAT_ONLY),
     "verbosity": ((), "this server has no verbosity control"),
     "web_search_options": ((), "this server does not search the web"),
     "store": ((False,), _STORE),
@@ -71,7 +73,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "continue_final_message": ((False,), "the chat template always prompts a new reply"),
     "documents": ((), "the chat template takes no documents"),
     "chat_template": ((), "the model's own chat template is used"),
-    "chat_template_kwargs": (({},), "the model's own chat template is used as is"),
+    "chat_template_kwargs": (({},), _CHAT_ONLY),
     "media_io_kwargs": ((), _MULTIMODAL),
     "mm_processor_kwargs": ((), _MULTIMODAL),
     "mm_payload": ((), _MULTIMODAL),
@@ -89,8 +91,8 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "ec_transfer_params": ((), "prefill and decode are disaggregated by the deployment, not per request"),
     "vllm_xargs": ((), "this server takes no extension arguments"),
     "repetition_detection": ((), "use repetition_penalty or frequency_penalty"),
-    "thinking_token_budget": ((), "reasoning is controlled by each model family's chat encoding"),
-    "include_reasoning": ((True,), "reasoning is controlled by each model family's chat encoding"),
+    "thinking_token_budget": ((), "reasoning is bounded by max_tokens; set reasoning_effort for less of it"),
+    "include_reasoning": ((True,), _CHAT_ONLY),
     "stream_interval": ((1,), "every step's tokens are streamed as they come"),
 }
 # the chat endpoint's `echo` is vLLM's (echo the last message); the completions one is honoured

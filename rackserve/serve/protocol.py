@@ -20,6 +20,7 @@ engine's `SamplingParams`.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -35,7 +36,10 @@ MAX_BODY_BYTES = 1 << 20
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI's legacy API allows
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TOOLS = 128  # as OpenAI allows
+TOOL_CHOICES = ("none", "auto", "required")
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # OpenAI's function names (and dotted / namespaced ones)
 
 
 class APIError(Exception):
@@ -370,9 +374,29 @@ class ChatRequest(_Generation):
 
     _PROMPT_PARAM: ClassVar[str] = "messages"
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     logprobs: bool = False
     top_logprobs: int = 0
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, each {"type": "function", "function"}
+    tool_choice: str = "none"  # "none", "auto", "required" or the name of the function to call
+    parallel_tool_calls: bool = True
+    thinking: bool | None = None  # reasoning mode (None: the model's default)
+    reasoning_effort: str | int | None = None
+    include_reasoning: bool = True  # reasoning_content in the reply
+    response_format: dict[str, Any] | None = None  # as sent, for encoders that state it in the prompt
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the reply's tool-call syntax becomes `tool_calls` (else it stays text)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tools(self) -> list[dict[str, Any]]:
+        """The functions ({"name", "parameters"}) a reply must call: all for "required", the named one; else []."""
+        functions = [t["function"] for t in self.tools or ()]
+        if self.tool_choice == "required":
+            return functions
+        return [f for f in functions if f["name"] == self.tool_choice] if self.tool_choice not in TOOL_CHOICES else []
 
 
 def _prompt(value: object) -> str | list[int]:
@@ -430,21 +454,154 @@ def _text_part(where: str, part: object) -> str:
                    "are supported", "messages")
 
 
-def _message(i: int, message: object) -> dict[str, str]:
+# the message fields each role may carry besides role and content (a tool message's name is its function's,
+# which its tool_call_id already says; DeepSeek's and Qwen3's prompts order results by that id)
+_MESSAGE_FIELDS = {"system": (), "developer": (), "user": (), "assistant": ("tool_calls", "reasoning_content",
+                                                                             "reasoning"),
+                   "tool": ("tool_call_id", "name")}
+
+
+def _content(where: str, content: object, optional: bool) -> str | list | None:
+    """A message's content: a string, an array of text parts (kept as parts: an encoder may join them its
+    way), or None where `optional`."""
+    if content is None and optional:
+        return None
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            _text_part(f"{where}.content[{j}]", part)
+        return content
+    if not isinstance(content, str):
+        raise _invalid(f"{where}.content must be a string or an array of text parts, not {_json_type(content)}",
+                       "messages")
+    return content
+
+
+def _tool_call(where: str, call: object) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(call, dict) and call.get("type", "function") == "function" and isinstance(function, dict)
+            and isinstance(function.get("name"), str) and isinstance(call.get("id"), str)):
+        raise _invalid(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                       f"\"arguments\"}}}}, not {_show(call)}", "messages")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        raise _invalid(f"{where}.function.arguments must be a JSON object (as a string, as OpenAI sends it), not "
+                       f"{_show(function.get('arguments'))}", "messages")
+    return {"id": call["id"], "type": "function", "function": {"name": function["name"],
+                                                             "arguments": function["arguments"]}}
+
+
+def _message(i: int, message: object) -> dict[str, Any]:
+    """One chat message, checked: role, content and what its role may carry (assistant tool calls and
+    reasoning, a tool result's call id); every other field is refused naming it."""
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise _invalid(f"{where} must be an object with role and content, not {_json_type(message)}", "messages")
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise _invalid(f"{where}.role is {_show(role)}; use one of {list(CHAT_ROLES)}", "messages")
-    content = message.get("content")
-    if isinstance(content, list):
-        # as vLLM does: text parts are lines of one message
-        content = "\n".join(_text_part(f"{where}.content[{j}]", part) for j, part in enumerate(content))
-    if not isinstance(content, str):
-        raise _invalid(f"{where}.content must be a string or an array of text parts, not {_json_type(content)}",
-                       "messages")
-    return {"role": role, "content": content}
+    allowed = _MESSAGE_FIELDS[role]
+    for key, value in message.items():
+        if key not in ("role", "content", *allowed) and value is not None:
+            raise _invalid(f"{where}.{key} is not taken in a {role} message (this model's prompt has no place for "
+                           f"it); send {', '.join(['role', 'content', *allowed])}", "messages")
+    calls = message.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise _invalid(f"{where}.tool_calls must be an array, not {_json_type(calls)}", "messages")
+    out: dict[str, Any] = {"role": role, "content": _content(where, message.get("content"), optional=bool(calls))}
+    if calls:
+        out["tool_calls"] = [_tool_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
+    for key in ("reasoning_content", "reasoning"):
+        if message.get(key) is not None:
+            out["reasoning_content"] = _get(message, key, _STRING, param="messages")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise _invalid(f"{where}.tool_call_id must name the call it answers (a string), not {_show(call_id)}",
+                           "messages")
+        out["tool_call_id"] = call_id
+    return out
+
+
+def _tools(body: dict) -> list[dict[str, Any]] | None:
+    """OpenAI tool definitions, checked: [{"type": "function", "function": {"name", "description"?,
+    "parameters"?: JSON schema, "strict"?}}]; a name given twice is refused."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise _invalid(f"tools must be an array of at most {MAX_TOOLS} tool definitions, not {_show(tools)}", "tools")
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)
+                and set(tool) <= {"type", "function"}):
+            raise _invalid(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}, not "
+                           f"{_show(tool)}", "tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name) or name in names:
+            raise _invalid(f"tools[{i}].function.name {_show(name)} must be a new name of 1-64 letters, digits, "
+                           "'_', '-', '.' or ':'", "tools")
+        unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
+        if unknown:
+            raise _invalid(f"tools[{i}].function.{unknown[0]} is unknown; a function has name, description, "
+                           "parameters and strict", "tools")
+        for key, kind in (("description", _STRING), ("parameters", _OBJECT), ("strict", _BOOLEAN)):
+            _get(function, key, kind, param="tools")
+        names.add(name)
+        out.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    return out
+
+
+def _tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> str:
+    """"none", "auto", "required" or a function's name; the default is "auto" with tools, else "none"."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) and choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise _invalid(f"tool_choice must be one of {list(TOOL_CHOICES)} or {{\"type\": \"function\", "
+                           f"\"function\": {{\"name\": ...}}}}, not {_show(choice)}", "tool_choice")
+        choice = name
+        if name not in [t["function"]["name"] for t in tools or ()]:
+            raise _invalid(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+    elif choice not in TOOL_CHOICES:
+        raise _invalid(f"tool_choice must be one of {list(TOOL_CHOICES)} or a function, not {_show(choice)}",
+                       "tool_choice")
+    if choice != "none" and not tools:
+        raise _invalid(f"tool_choice {choice!r} needs tools to choose from; send tools", "tool_choice")
+    return choice
+
+
+# chat_template_kwargs this server takes: thinking on or off (DeepSeek's name, and Qwen3's), and the effort
+_TEMPLATE_KWARGS = ("thinking", "enable_thinking", "reasoning_effort")
+
+
+def _reasoning(body: dict) -> tuple[bool | None, str | int | None]:
+    """(thinking, reasoning_effort) from reasoning_effort and chat_template_kwargs."""
+    kwargs = _get(body, "chat_template_kwargs", _OBJECT) or {}
+    unknown = sorted(set(kwargs) - set(_TEMPLATE_KWARGS))
+    if unknown:
+        raise _invalid(f"chat_template_kwargs.{unknown[0]} is not supported by this server; it takes "
+                       f"{', '.join(_TEMPLATE_KWARGS)}", "chat_template_kwargs")
+    flags = [v for k in ("thinking", "enable_thinking")
+             if (v := _get(kwargs, k, _BOOLEAN, param=f"chat_template_kwargs.{k}")) is not None]
+    if len(set(flags)) > 1:
+        raise _invalid("chat_template_kwargs.thinking and enable_thinking disagree; send one", "chat_template_kwargs")
+    efforts = [e for e in (body.get("reasoning_effort"), kwargs.get("reasoning_effort")) if e is not None]
+    for effort in efforts:
+        if not (isinstance(effort, str) or _is_int(effort)):
+            raise _invalid(f"reasoning_effort must be a string or an integer, not {_show(effort)}", "reasoning_effort")
+    if len(set(efforts)) > 1:
+        raise _invalid("reasoning_effort and chat_template_kwargs.reasoning_effort disagree; send one",
+                       "reasoning_effort")
+    return (flags[0] if flags else None), (efforts[0] if efforts else None)
 
 
 def parse_chat(body: dict, served_models: list[str]) -> ChatRequest:
@@ -456,6 +613,13 @@ def parse_chat(body: dict, served_models: list[str]) -> ChatRequest:
         raise _invalid(f"messages must be a non-empty array of {{role, content}} objects, not {_show(messages)}",
                        "messages")
     messages = [_message(i, m) for i, m in enumerate(messages)]
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
+    thinking, effort = _reasoning(body)
+    base_params = _base_params(body, None)  # checked here for its errors; logprobs set below
+    if tool_choice not in ("none", "auto") and base_params.structured is not None:
+        raise _invalid(f"tool_choice {tool_choice!r} already fixes the reply's form; send it or a response_format "
+                       "(or structured_outputs), not both", "tool_choice")
     stream, include_usage = _stream(body)
     logprobs = bool(_get(body, "logprobs", _BOOLEAN))
     top_logprobs = _get(body, "top_logprobs", _INTEGER) or 0
@@ -470,11 +634,17 @@ def parse_chat(body: dict, served_models: list[str]) -> ChatRequest:
     if None not in (max_tokens, max_completion_tokens) and max_tokens != max_completion_tokens:
         raise _invalid(f"max_tokens={max_tokens} and max_completion_tokens={max_completion_tokens} disagree; "
                        "send only max_completion_tokens", "max_tokens")
+    fmt = _get(body, "response_format", _OBJECT)
     return ChatRequest(
         model=model, messages=messages, stream=stream, include_usage=include_usage, logprobs=logprobs,
         top_logprobs=top_logprobs,
         max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
-        base_params=_base_params(body, top_logprobs if logprobs else None),
+        base_params=replace(base_params, logprobs=top_logprobs if logprobs else None),
+        tools=tools, tool_choice=tool_choice,
+        parallel_tool_calls=_get(body, "parallel_tool_calls", _BOOLEAN) is not False,
+        thinking=thinking, reasoning_effort=effort,
+        include_reasoning=_get(body, "include_reasoning", _BOOLEAN) is not False,
+        response_format=fmt if fmt is not None and fmt.get("type") != "text" else None,
     )
 
 
@@ -485,7 +655,7 @@ class TokenizeRequest:
     add_special_tokens adds BOS on top); return_token_strs: also each token's string."""
 
     prompt: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     add_special_tokens: bool
     add_generation_prompt: bool
     return_token_strs: bool

@@ -8,21 +8,23 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rackserve.engine.request import TokenLogprobs
+    from rackserve.models.reply import ToolCall
 
 # JSON has no infinity: a -inf log-probability (a token the model rules out) is sent as this floor, as vLLM does.
 _LOGPROB_FLOOR = -9999.0
 # The engine's finish reasons as OpenAI names them; "abort" is not OpenAI's but vLLM's, which clients meet already.
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "tool_calls": "tool_calls"}
 
 
 def openai_finish_reason(engine_reason: str | None) -> str | None:
-    """The engine's finish reason ("stop", "length", "abort") as OpenAI's; None while the request runs."""
+    """The engine's finish reason ("stop", "length", "abort"; "tool_calls" for a chat reply that stopped after
+    calling tools) as OpenAI's; None while the request runs."""
     if engine_reason is None:
         return None
     try:
@@ -69,10 +71,24 @@ def completion_chunk(request_id: str, model: str, text: str, finish_reason: str 
     return _envelope(request_id, model, "text_completion", [completion_choice(text, finish_reason, logprobs, index)])
 
 
-def chat_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0) -> dict:
-    """One choice of a whole /v1/chat/completions response. finish_reason: the engine's; logprobs: from
-    `chat_logprobs`; index: which of the request's n choices."""
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+def tool_call(call: ToolCall, index: int) -> dict:
+    """A tool call as OpenAI's message carries it (`index`: its place in the reply, for stream deltas)."""
+    return {"index": index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0,
+                reasoning: str = "", tool_calls: Sequence[ToolCall] = ()) -> dict:
+    """One choice of a whole /v1/chat/completions response. finish_reason: the engine's (or "tool_calls");
+    logprobs: from `chat_logprobs`; index: which of the request's n choices; reasoning: `reasoning_content`
+    (left out when empty); tool_calls: the calls parsed from the reply (content None when it is only those)."""
+    message: dict = {"role": "assistant", "content": text if text or not tool_calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = [{k: v for k, v in tool_call(c, i).items() if k != "index"}
+                                 for i, c in enumerate(tool_calls)]
+    return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": openai_finish_reason(finish_reason)}
 
 
@@ -82,15 +98,30 @@ def chat_response(request_id: str, model: str, choices: list[dict], usage: Usage
 
 
 def chat_chunk(request_id: str, model: str, delta_text: str | None, finish_reason: str | None, role: bool = False,
-               logprobs: dict | None = None, index: int = 0) -> dict:
+               logprobs: dict | None = None, index: int = 0, reasoning: str | None = None) -> dict:
     """One streamed chat chunk of choice `index`. role=True on a choice's first, whose delta names the
-    assistant; delta_text None gives an empty delta (the last chunk, which carries the engine's finish reason)."""
+    assistant; delta_text None gives no content (the last chunk carries only the finish reason); reasoning:
+    the delta's `reasoning_content`."""
     if role:
         delta = {"role": "assistant", "content": delta_text or ""}
     else:
         delta = {} if delta_text is None else {"content": delta_text}
+    if reasoning is not None:
+        delta["reasoning_content"] = reasoning
     choice = {"index": index, "delta": delta, "logprobs": logprobs,
               "finish_reason": openai_finish_reason(finish_reason)}
+    return _envelope(request_id, model, "chat.completion.chunk", [choice])
+
+
+def tool_call_chunk(request_id: str, model: str, index: int, at: int, call: ToolCall, name: bool) -> dict:
+    """A streamed tool call of choice `index`, as OpenAI sends one: a chunk naming it (`name`: id, type, name,
+    empty arguments), then one with its arguments. at: the call's place in the reply."""
+    entry = tool_call(call, at)
+    if name:
+        entry["function"]["arguments"] = ""
+    else:
+        entry = {"index": at, "function": {"arguments": call.arguments}}
+    choice = {"index": index, "delta": {"tool_calls": [entry]}, "logprobs": None, "finish_reason": None}
     return _envelope(request_id, model, "chat.completion.chunk", [choice])
 
 

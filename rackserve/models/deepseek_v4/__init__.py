@@ -11,9 +11,10 @@ from rackserve.models.deepseek_v4.loader import CheckpointError, load_model
 from rackserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from rackserve.models.deepseek_v4.state import ModelState, RequestState, StateBlob
 from rackserve.models.interface import ModelFamily
+from rackserve.models.reply import DEEPSEEK_V4
 
 register(ModelFamily("deepseek_v4", ModelConfig.from_dict, load_model, DeepseekV4ForCausalLM,
-                     chat=functools.partial(encode_chat, V4)))
+                     chat=functools.partial(encode_chat, V4), reply=DEEPSEEK_V4))
 
 __all__ = ["CheckpointError", "DeepseekV4ForCausalLM", "ForwardBatch", "ModelConfig", "ModelState", "RequestState",
            "StateBlob", "load_model"]

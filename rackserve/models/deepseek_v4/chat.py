@@ -34,13 +34,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from rackserve.models.tokenizer import Conventions
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
+PAD = "<｜▁pad▁｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
+SYSTEM = "<｜System｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
+
+# DeepSeek's tokenizers: BOS, EOS and pad first, role tokens special, <think> and </think> kept in text, no
+# jinja template (this module renders chat)
+V4_TOKENS = Conventions(first=(BOS, EOS, PAD), bos=BOS, eos=EOS, pad=PAD, control=(USER, ASSISTANT),
+                        markup=(THINK_START, THINK_END))
+V41_TOKENS = replace(V4_TOKENS, control=(USER, ASSISTANT, SYSTEM))
 
 _TEXT_PART_TYPES = ("text", "input_text", "output_text")
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -161,7 +171,7 @@ V4 = ChatSpec(
 
 V41 = ChatSpec(
     name="DeepSeek-V4.1",
-    system_token="<｜System｜>",
+    system_token=SYSTEM,
     # The leading spaces are part of V4.1's block names: `<｜DSML｜ calls>`.
     calls_block=" calls",
     invoke_tag=" invoke",

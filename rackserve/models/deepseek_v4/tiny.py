@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 from rackserve.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig, QuantConfig
 from rackserve.models.deepseek_v4.loader import build_model
-from rackserve.models.tokenizer import CHAT_TEMPLATE, save_tokenizer, train_byte_bpe
+from rackserve.models.deepseek_v4.chat import V4_TOKENS
+from rackserve.models.tokenizer import save_tokenizer, train_byte_bpe
 
 TINY_CONFIG = {
     "model_type": "deepseek_v4",
@@ -154,18 +155,9 @@ def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None, hot_e
         tmp = path / "model.safetensors.tmp"
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         tmp.replace(path / "model.safetensors")
-    save_tokenizer(train_byte_bpe(cfg.vocab_size), path)
+    save_tokenizer(train_byte_bpe(cfg.vocab_size, conventions=V4_TOKENS), path, V4_TOKENS)
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     return path
-
-
-def _tokenizer_is_current(path: Path) -> bool:
-    """Whether `path`'s tokenizer_config.json has today's chat template (older caches have none, or an older one)."""
-    try:
-        config = json.loads((path / "tokenizer_config.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return False
-    return config.get("chat_template") == CHAT_TEMPLATE
 
 
 def _has_mtp(path: Path) -> bool:
@@ -180,14 +172,14 @@ def _has_mtp(path: Path) -> bool:
 def ensure_tiny(path: str | Path | None = None) -> Path:
     """The tiny checkpoint at `path` (default cache dir), made once if it is not there yet.
 
-    A checkpoint cached by an older rackserve gets today's tokenizer files (chat template included); its
+    A checkpoint cached by an older rackserve gets today's tokenizer files (DeepSeek's special tokens); its
     weights stay as they are, since the tokenizer does not depend on the seed. One cached before the
     tiny model had MTP layers is made again (its main weights come out the same).
     """
     path = Path(path) if path else default_cache_dir()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file() or not _has_mtp(path):
         make_tiny(path)
-    elif not _tokenizer_is_current(path):
+    elif not V4_TOKENS.written_in(path):
         vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
-        save_tokenizer(train_byte_bpe(vocab_size), path)
+        save_tokenizer(train_byte_bpe(vocab_size, conventions=V4_TOKENS), path, V4_TOKENS)
     return path

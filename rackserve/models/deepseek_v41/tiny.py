@@ -26,6 +26,7 @@ from rackserve.models.deepseek_v4.tiny import TINY_FP8_BLOCK, randomize
 from rackserve.models.deepseek_v41.config import ModelConfig
 from rackserve.models.deepseek_v41.engram import SCALE_BLOCK, build_token_map, engram_layout
 from rackserve.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from rackserve.models.deepseek_v4.chat import V41_TOKENS
 from rackserve.models.tokenizer import save_tokenizer, train_byte_bpe
 
 TINY_TEXT_CONFIG = {
@@ -49,7 +50,7 @@ def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None) -> Pa
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     text = {**TINY_TEXT_CONFIG, **(config or {})}
-    tokenizer = train_byte_bpe(text["vocab_size"])
+    tokenizer = train_byte_bpe(text["vocab_size"], conventions=V41_TOKENS)
     _, text["engram_compressed_vocab_size"] = build_token_map(tokenizer, text["vocab_size"],
                                                               text["engram_pad_token_id"])
     quant = QuantConfig(weight_block_size=TINY_FP8_BLOCK, scale_fmt="ue8m0", expert_dtype="fp4")
@@ -69,7 +70,7 @@ def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None) -> Pa
     for stale in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)
     save_published(model, path, quant, extra=_unserved(cfg, seed))
-    save_tokenizer(tokenizer, path)
+    save_tokenizer(tokenizer, path, V41_TOKENS)
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return path
 

@@ -9,7 +9,8 @@ from rackserve.models.qwen3_moe.config import ModelConfig
 from rackserve.models.qwen3_moe.loader import load_model
 from rackserve.models.qwen3_moe.model import Qwen3MoeForCausalLM
 from rackserve.models.qwen3_moe.state import KVCache
+from rackserve.models.reply import QWEN3
 
-register(ModelFamily("qwen3_moe", ModelConfig.from_dict, load_model))
+register(ModelFamily("qwen3_moe", ModelConfig.from_dict, load_model, reply=QWEN3))
 
 __all__ = ["CheckpointError", "ForwardBatch", "KVCache", "ModelConfig", "Qwen3MoeForCausalLM", "load_model"]

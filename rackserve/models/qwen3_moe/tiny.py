@@ -6,7 +6,7 @@ The default config is small (4 layers, hidden 64, 8 experts top-2, GQA with 2 qu
 heads wider than hidden / heads as in Qwen3-30B-A3B) and has a dense layer among the sparse ones
 (`mlp_only_layers`), so the expert layout has fewer rows than the model has layers. Weights are drawn
 as transformers initialises them, with a spread (`initializer_range`) that keeps activations O(1), so
-logits and routing are far from uniform. The tokenizer is rackserve's byte-level BPE (bos 0, eos 1).
+logits and routing are far from uniform. The tokenizer is a byte-level BPE with Qwen3's ChatML tokens and chat template (eos 1 = <|im_end|>).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from rackserve.models.qwen3_moe.chat import TOKENS
 from rackserve.models.tokenizer import save_tokenizer, train_byte_bpe
 
 TINY_CONFIG = {
@@ -53,5 +54,5 @@ def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None) -> Pa
         torch.manual_seed(seed)
         model = Qwen3MoeForCausalLM(hf_config)
     model.save_pretrained(path)
-    save_tokenizer(train_byte_bpe(hf_config.vocab_size), path)
+    save_tokenizer(train_byte_bpe(hf_config.vocab_size, conventions=TOKENS), path, TOKENS)
     return path
