@@ -65,6 +65,14 @@ def v41_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory):
+    """The tiny Qwen3-MoE checkpoint (`rackserve make-tiny --family qwen3_moe`)."""
+    from rackserve.models.qwen3_moe.tiny import make_tiny as make_tiny_qwen3
+
+    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3-moe"), seed=0)
+
+
+@pytest.fixture(scope="session")
 def v41_reference(v41_checkpoint):
     """The plain slow V4.1 forward of `tests/v41_reference.py` over the same files."""
     from v41_reference import ReferenceV41

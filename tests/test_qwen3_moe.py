@@ -30,8 +30,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("qwen3-moe"), seed=0)
+def checkpoint(qwen3_checkpoint):
+    return qwen3_checkpoint
 
 
 @pytest.fixture(scope="module")

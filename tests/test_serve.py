@@ -153,10 +153,19 @@ def test_tokenize_and_detokenize_take_vllm_s_shapes(server, tiny_checkpoint):
     chat = post("/tokenize", {"messages": messages}).json()  # what the chat endpoint prefills
     assert chat["tokens"] == tok.encode(tok.apply_chat_template(messages), add_bos=False)
     assert chat["token_strs"] is None
+    tool = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}
+    shaped = post("/tokenize", {"messages": messages, "tools": [tool], "chat_template_kwargs": {"thinking": False,
+                                                                                               "reasoning_effort": "max"}})
+    options = ChatOptions(tools=[tool], thinking=False, reasoning_effort="max")
+    assert shaped.json()["tokens"] == tok.encode(tok.apply_chat_template(messages, options=options), add_bos=False)
+    assert shaped.json()["tokens"] != chat["tokens"]
     assert post("/detokenize", {"model": "tiny", "tokens": got["tokens"]}).json()["prompt"] == tok.decode(
         got["tokens"], skip_special_tokens=False)
     for path, body, param in (("/tokenize", {"prompt": PROMPT, "messages": messages}, "prompt"),
                               ("/tokenize", {"prompt": PROMPT, "chat_template": "x"}, "chat_template"),
+                              ("/tokenize", {"prompt": PROMPT, "tools": [tool]}, "tools"),
+                              ("/tokenize", {"messages": messages, "chat_template_kwargs": {"x": 1}},
+                               "chat_template_kwargs"),
                               ("/tokenize", {"prompt": PROMPT, "model": "other"}, "model"),
                               ("/detokenize", {"tokens": [10**9]}, "tokens"),
                               ("/detokenize", {"tokens": [1], "extra": 1}, "extra")):

@@ -94,7 +94,7 @@ class _Reply:
     chat_reply: how a chat reply reads (`OpenAIServer._chat_prompt`), None for plain text."""
 
     def __init__(self, request_id: str, model: str, chat: bool, request, arrival: float, tokenizer,
-                 chat_reply: tuple[ReplyFormat, bool, bool] | None = None):
+                 chat_reply: tuple[ReplyFormat, bool] | None = None):
         self.id, self.model, self.chat, self.request, self.arrival = request_id, model, chat, request, arrival
         self.decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else str
         echo = ""
@@ -104,7 +104,7 @@ class _Reply:
         def parser() -> ReplyParser | None:
             if chat_reply is None:
                 return None
-            fmt, reasoning, _ = chat_reply
+            fmt, reasoning = chat_reply
             return ReplyParser(fmt, reasoning=reasoning, tools=request.parses_tool_calls,
                                parallel=request.parallel_tool_calls)
 
@@ -250,7 +250,8 @@ class OpenAIServer:
             self._authorize(request)
             req = api.parse_tokenize(api.parse_json(await _read_body(request)), [self.config.model_name])
             if req.messages is not None:
-                ids, _ = self._chat_ids(req.messages, req.add_generation_prompt, req.add_special_tokens)
+                options = ChatOptions(tools=req.tools, thinking=req.thinking, reasoning_effort=req.reasoning_effort)
+                ids, _ = self._chat_ids(req.messages, req.add_generation_prompt, req.add_special_tokens, options)
             else:
                 ids = self._text_tokenizer("prompt").encode(req.prompt, add_bos=req.add_special_tokens)
         except api.APIError as e:
@@ -431,9 +432,9 @@ class OpenAIServer:
             raise api.APIError(400, str(e), param="messages") from None
         return tok.encode(text, add_bos=add_bos), text
 
-    def _chat_prompt(self, req: api.ChatRequest) -> tuple[list[int], tuple[ReplyFormat, bool, bool] | None]:
+    def _chat_prompt(self, req: api.ChatRequest) -> tuple[list[int], tuple[ReplyFormat, bool] | None]:
         """The prompt ids of a chat request, and how its reply reads: (the family's reply format, whether the
-        reply starts inside reasoning, whether it may reason first), None for a family that marks neither."""
+        reply starts inside reasoning), None for a family that marks neither."""
         options = ChatOptions(tools=req.tools, thinking=req.thinking, reasoning_effort=req.reasoning_effort,
                               response_format=req.response_format)
         ids, text = self._chat_ids(req.messages, options=options)
@@ -441,14 +442,15 @@ class OpenAIServer:
         if fmt is None:
             return ids, None
         # the prompt opened the reasoning (DeepSeek's thinking mode), or closed it (chat mode; Qwen3 without
-        # thinking); else the model opens it itself where its template taught it to (Qwen3's)
+        # thinking); else the reply reasons first where the template taught the model to open it (Qwen3 in
+        # thinking mode), and that opener, when it comes, is taken as the reasoning's own
         tail = text.rstrip()
-        starts = tail.endswith(fmt.think_start)
-        may = starts or (not tail.endswith(fmt.think_end) and self.tokenizer.template_mentions(fmt.think_start))
-        return ids, (fmt, starts, may)
+        reasons = tail.endswith(fmt.think_start) or (
+            not tail.endswith(fmt.think_end) and self.tokenizer.template_mentions(fmt.think_start))
+        return ids, (fmt, reasons)
 
     def _reply_grammar(self, req: api.ChatRequest, spec: GrammarSpec | None,
-                       chat_reply: tuple[ReplyFormat, bool, bool] | None) -> GrammarSpec | None:
+                       chat_reply: tuple[ReplyFormat, bool] | None) -> GrammarSpec | None:
         """What a chat reply must follow: its response format, or the calls `tool_choice` forces, after the
         reasoning the model may write first."""
         forced = req.forced_tools
@@ -459,7 +461,7 @@ class OpenAIServer:
             calls = {"syntax": chat_reply[0].name, "parallel": req.parallel_tool_calls,
                      "tools": [{"name": f["name"], "parameters": f.get("parameters") or {}} for f in forced]}
             spec = GrammarSpec("tool_calls", json.dumps(calls))
-        if spec is None or chat_reply is None or not chat_reply[2]:
+        if spec is None or chat_reply is None or not chat_reply[1]:
             return spec
         fmt = chat_reply[0]
         return replace(spec, reasoning=(fmt.think_start, fmt.think_end))

@@ -24,7 +24,7 @@ HONOURED = {
                        "include_reasoning", *_SAMPLING}),
     # vLLM's /tokenize (a prompt, or chat messages) and /detokenize
     "tokenize": frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                           "return_token_strs"}),
+                           "return_token_strs", "tools", "chat_template_kwargs"}),
     "detokenize": frozenset({"model", "tokens"}),
 }
 

@@ -652,13 +652,17 @@ def parse_chat(body: dict, served_models: list[str]) -> ChatRequest:
 class TokenizeRequest:
     """A /tokenize body, vLLM's shapes: a text `prompt` (BOS added unless add_special_tokens is false), or
     chat `messages` rendered as /v1/chat/completions renders them (the template places the special tokens;
-    add_special_tokens adds BOS on top); return_token_strs: also each token's string."""
+    add_special_tokens adds BOS on top), with the same tools and chat_template_kwargs; return_token_strs: also
+    each token's string."""
 
     prompt: str | None
     messages: list[dict[str, Any]] | None
     add_special_tokens: bool
     add_generation_prompt: bool
     return_token_strs: bool
+    tools: list[dict[str, Any]] | None = None
+    thinking: bool | None = None
+    reasoning_effort: str | int | None = None
 
 
 def parse_tokenize(body: dict, served_models: list[str]) -> TokenizeRequest:
@@ -675,11 +679,17 @@ def parse_tokenize(body: dict, served_models: list[str]) -> TokenizeRequest:
             raise _invalid(f"messages must be a non-empty array of {{role, content}} objects, not {_show(messages)}",
                            "messages")
         messages = [_message(i, m) for i, m in enumerate(messages)]
+    elif "tools" in body or "chat_template_kwargs" in body:
+        param = "tools" if "tools" in body else "chat_template_kwargs"
+        raise _invalid(f"{param} shape how chat messages are rendered; a text prompt is encoded as it is: send "
+                       "messages, or drop it", param)
+    thinking, effort = _reasoning(body)
     special = _get(body, "add_special_tokens", _BOOLEAN)
     generation = _get(body, "add_generation_prompt", _BOOLEAN)
     return TokenizeRequest(prompt, messages, add_special_tokens=prompt is not None if special is None else special,
                            add_generation_prompt=True if generation is None else generation,
-                           return_token_strs=bool(_get(body, "return_token_strs", _BOOLEAN)))
+                           return_token_strs=bool(_get(body, "return_token_strs", _BOOLEAN)),
+                           tools=_tools(body), thinking=thinking, reasoning_effort=effort)
 
 
 def parse_detokenize(body: dict, served_models: list[str], vocab_size: int) -> list[int]:
