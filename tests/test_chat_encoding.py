@@ -49,6 +49,40 @@ def test_matches_reference(spec: ChatSpec, case: dict[str, Any]) -> None:
         pytest.fail(_explain(case["prompt"], got), pytrace=False)
 
 
+@pytest.mark.parametrize("fixture, filename", [("tiny_checkpoint", "deepseek_v4.json"),
+                                               ("v41_checkpoint", "deepseek_v41.json")])
+def test_the_chat_endpoint_prefills_the_reference_token_ids(request, fixture, filename):
+    """Each golden case sent as an OpenAI chat body (tools, chat_template_kwargs, reasoning_effort,
+    response_format) prefills the token ids of the reference encoder's prompt, in the tiny checkpoint's
+    tokenizer, which has DeepSeek's special tokens: the request mapping and the special tokens' encoding too."""
+    from rackserve.models.tokenizer import Tokenizer
+    from rackserve.serve.protocol import APIError, parse_chat
+
+    tok = Tokenizer(request.getfixturevalue(fixture))
+    for case in json.loads((GOLDEN / filename).read_text(encoding="utf-8")):
+        sent = case["request"]
+        body = {"model": "m", "messages": sent["messages"], "tools": sent["tools"],
+                "reasoning_effort": sent["reasoning_effort"], "response_format": sent["response_format"]}
+        if sent["thinking"] is not None:
+            body["chat_template_kwargs"] = {"thinking": sent["thinking"]}
+        body = {k: v for k, v in body.items() if v is not None}
+        if case["name"] == "tools_as_vllm_dumps_them":
+            # what vLLM drops unread (a function's unknown key) or passes on without acting on it (defer_loading,
+            # tool search) is refused here, naming it
+            for refused in ("x-vendor", "defer_loading"):
+                with pytest.raises(APIError, match=refused):
+                    parse_chat(body, ["m"])
+                body["tools"] = [{k: v for k, v in t.items() if k != refused} for t in body["tools"]]
+                body["tools"] = [{**t, "function": {k: v for k, v in t["function"].items() if k != refused}}
+                                 for t in body["tools"]]
+            continue
+        chat = parse_chat(body, ["m"])
+        ids = tok.encode(tok.apply_chat_template(chat.messages, options=chat.chat_options), add_bos=False)
+        want = tok.encode(case["prompt"], add_bos=False)
+        assert ids == want, case["name"]
+        assert tok.decode(ids, skip_special_tokens=False) == case["prompt"], case["name"]
+
+
 def test_does_not_modify_the_request() -> None:
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "Q"}]},
                 {"role": "assistant", "content": None, "reasoning": "R", "tool_calls": [

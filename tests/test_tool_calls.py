@@ -123,12 +123,14 @@ def test_an_agent_tool_loop_over_http(ray_cluster, request, family):
                    {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]
         answer = client.chat.completions.create(model="m", messages=history, tools=BOUNDED, tool_choice="none",
                                                 max_tokens=8, temperature=0, extra_body=chat_mode)
+        [card] = client.models.list().data
         rendered = httpx.post(f"{url}/tokenize", json={"model": "m", "messages": history, "tools": BOUNDED,
                                                        **chat_mode}, timeout=60).json()["tokens"]
     finally:
         delete(name)
         serve.shutdown()
 
+    assert card.id == "m" and card.model_extra["family"] == family
     assert forced.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert call.id.startswith("call_") and _valid_call(call.function.name, call.function.arguments)
     assert forced.choices[0].message.content is None

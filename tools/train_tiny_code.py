@@ -71,7 +71,10 @@ CONFIG = {
     "index_head_dim": 32,
     "index_topk": 16,
     "num_nextn_predict_layers": 1,
-    "max_position_embeddings": 4096,
+    # trained on short windows, served to agents' long sessions: its attention is a 64-token window plus
+    # compressed entries and its rotary positions are plain, so a long context is a memory question, not a
+    # position one (an agentic trace's prompts start at ~9K tokens)
+    "max_position_embeddings": 131072,
     "rope_theta": 10000.0,
     "compress_rope_theta": 160000.0,
     "bos_token_id": 0,

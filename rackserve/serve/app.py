@@ -38,7 +38,7 @@ from rackserve.actors.deployment_client import DeploymentClient
 from rackserve.actors.faults import InstanceError
 from rackserve.engine import RequestOutput
 from rackserve.engine.grammar import GrammarError, Grammars, GrammarSpec
-from rackserve.models import BUILT_IN, resolve
+from rackserve.models import BUILT_IN, family_of, read_config_json, resolve
 from rackserve.models.reply import ReplyDelta, ReplyFormat, ReplyParser
 from rackserve.models.tokenizer import ChatOptions, Tokenizer
 from rackserve.serve import protocol as api
@@ -200,6 +200,7 @@ class OpenAIServer:
         # a built-in model is at home on every node (the tiny one made there)
         path = resolve(self.config.model) if self.config.model in BUILT_IN else info["path"]
         self.tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
+        self.family = family_of(read_config_json(path)).model_type
         self.deployment = DeploymentClient(RemoteDataPlane(self.plane), self.tokenizer, name="ingress")
         # compiles each request's grammar before it is routed, so one that cannot compile is a 400 before
         # anything runs (the rank compiles it again: a millisecond, then cached there too)
@@ -233,8 +234,9 @@ class OpenAIServer:
             self._authorize(request)
         except api.APIError as e:
             return _error(e)
+        # vLLM's card, and the model's family: what its chat encoding, reasoning and tool-call syntax follow
         card = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "rackserve",
-                "max_model_len": self.max_model_len}
+                "max_model_len": self.max_model_len, "family": self.family}
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/metrics")
@@ -250,8 +252,8 @@ class OpenAIServer:
             self._authorize(request)
             req = api.parse_tokenize(api.parse_json(await _read_body(request)), [self.config.model_name])
             if req.messages is not None:
-                options = ChatOptions(tools=req.tools, thinking=req.thinking, reasoning_effort=req.reasoning_effort)
-                ids, _ = self._chat_ids(req.messages, req.add_generation_prompt, req.add_special_tokens, options)
+                ids, _ = self._chat_ids(req.messages, req.add_generation_prompt, req.add_special_tokens,
+                                        req.chat_options)
             else:
                 ids = self._text_tokenizer("prompt").encode(req.prompt, add_bos=req.add_special_tokens)
         except api.APIError as e:
@@ -435,9 +437,7 @@ class OpenAIServer:
     def _chat_prompt(self, req: api.ChatRequest) -> tuple[list[int], tuple[ReplyFormat, bool] | None]:
         """The prompt ids of a chat request, and how its reply reads: (the family's reply format, whether the
         reply starts inside reasoning), None for a family that marks neither."""
-        options = ChatOptions(tools=req.tools, thinking=req.thinking, reasoning_effort=req.reasoning_effort,
-                              response_format=req.response_format)
-        ids, text = self._chat_ids(req.messages, options=options)
+        ids, text = self._chat_ids(req.messages, options=req.chat_options)
         fmt = self.tokenizer.reply_format
         if fmt is None:
             return ids, None

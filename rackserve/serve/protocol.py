@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 from rackserve.engine.grammar import GrammarError, GrammarSpec
 from rackserve.engine.sampling import MAX_LOGPROBS, SamplingParams
+from rackserve.models.tokenizer import ChatOptions
 from rackserve.serve import fields
 
 # 1 MiB of text is a few hundred thousand tokens, room for long prompts, while it bounds the memory and
@@ -386,6 +387,12 @@ class ChatRequest(_Generation):
     response_format: dict[str, Any] | None = None  # as sent, for encoders that state it in the prompt
 
     @property
+    def chat_options(self) -> ChatOptions:
+        """What the prompt renders besides the messages."""
+        return ChatOptions(tools=self.tools, thinking=self.thinking, reasoning_effort=self.reasoning_effort,
+                           response_format=self.response_format)
+
+    @property
     def parses_tool_calls(self) -> bool:
         """Whether the reply's tool-call syntax becomes `tool_calls` (else it stays text)."""
         return bool(self.tools) and self.tool_choice != "none"
@@ -538,18 +545,21 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
     out, names = [], set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)
-                and set(tool) <= {"type", "function"}):
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)):
             raise _invalid(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}, not "
                            f"{_show(tool)}", "tools")
+        for where, keys, allowed in ((f"tools[{i}]", tool, "type and function"),
+                                     (f"tools[{i}].function", function, "name, description, parameters and strict")):
+            if "defer_loading" in keys:
+                raise _invalid(f"{where}.defer_loading is not supported: this server has no tool search, every "
+                               "tool is in the prompt; remove it", "tools")
+            unknown = sorted(set(keys) - set(allowed.replace(" and", ",").split(", ")))
+            if unknown:
+                raise _invalid(f"{where}.{unknown[0]} is unknown; it has {allowed}", "tools")
         name = function.get("name")
         if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name) or name in names:
             raise _invalid(f"tools[{i}].function.name {_show(name)} must be a new name of 1-64 letters, digits, "
                            "'_', '-', '.' or ':'", "tools")
-        unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
-        if unknown:
-            raise _invalid(f"tools[{i}].function.{unknown[0]} is unknown; a function has name, description, "
-                           "parameters and strict", "tools")
         for key, kind in (("description", _STRING), ("parameters", _OBJECT), ("strict", _BOOLEAN)):
             _get(function, key, kind, param="tools")
         names.add(name)
@@ -663,6 +673,11 @@ class TokenizeRequest:
     tools: list[dict[str, Any]] | None = None
     thinking: bool | None = None
     reasoning_effort: str | int | None = None
+
+    @property
+    def chat_options(self) -> ChatOptions:
+        """What the messages render with, as the chat endpoint renders them."""
+        return ChatOptions(tools=self.tools, thinking=self.thinking, reasoning_effort=self.reasoning_effort)
 
 
 def parse_tokenize(body: dict, served_models: list[str]) -> TokenizeRequest:
