@@ -154,8 +154,8 @@ def test_tokenize_and_detokenize_take_vllm_s_shapes(server, tiny_checkpoint):
     assert chat["tokens"] == tok.encode(tok.apply_chat_template(messages), add_bos=False)
     assert chat["token_strs"] is None
     tool = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}
-    shaped = post("/tokenize", {"messages": messages, "tools": [tool], "chat_template_kwargs": {"thinking": False,
-                                                                                               "reasoning_effort": "max"}})
+    kwargs = {"thinking": False, "reasoning_effort": "max"}
+    shaped = post("/tokenize", {"messages": messages, "tools": [tool], "chat_template_kwargs": kwargs})
     options = ChatOptions(tools=[tool], thinking=False, reasoning_effort="max")
     assert shaped.json()["tokens"] == tok.encode(tok.apply_chat_template(messages, options=options), add_bos=False)
     assert shaped.json()["tokens"] != chat["tokens"]

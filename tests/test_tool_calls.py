@@ -61,8 +61,8 @@ BOUNDED = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
                                                     "days": {"type": "integer", "minimum": 1, "maximum": 9}},
                    "required": ["city", "days"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "clock", "description": "The time",
-                                      "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
+    {"type": "function", "function": {"name": "clock", "description": "The time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}]
 ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "kv_timeout_s": 60, "state_memory_mb": 16, "kv_pool_mb": 8}
 CALL_TOKENS = 400  # a DSML call is ~230 tokens of the tiny byte-level vocabulary
 # a bias on </think> that ends each tiny model's greedy reasoning after a few tokens, taken from the middle of a

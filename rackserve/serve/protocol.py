@@ -548,14 +548,15 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
         if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)):
             raise _invalid(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}, not "
                            f"{_show(tool)}", "tools")
-        for where, keys, allowed in ((f"tools[{i}]", tool, "type and function"),
-                                     (f"tools[{i}].function", function, "name, description, parameters and strict")):
+        for where, keys, allowed in ((f"tools[{i}]", tool, ("type", "function")),
+                                     (f"tools[{i}].function", function, ("name", "description", "parameters",
+                                                                         "strict"))):
             if "defer_loading" in keys:
                 raise _invalid(f"{where}.defer_loading is not supported: this server has no tool search, every "
                                "tool is in the prompt; remove it", "tools")
-            unknown = sorted(set(keys) - set(allowed.replace(" and", ",").split(", ")))
+            unknown = sorted(set(keys) - set(allowed))
             if unknown:
-                raise _invalid(f"{where}.{unknown[0]} is unknown; it has {allowed}", "tools")
+                raise _invalid(f"{where}.{unknown[0]} is unknown; it has {', '.join(allowed)}", "tools")
         name = function.get("name")
         if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name) or name in names:
             raise _invalid(f"tools[{i}].function.name {_show(name)} must be a new name of 1-64 letters, digits, "
