@@ -264,7 +264,7 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from rackserve.actors.cluster import WORKER_ENV
+    from rackserve.cluster.ray_env import WORKER_ENV
     from rackserve.serve import ingress
     from rackserve.serve.app import build
     from rackserve.serve.config import ServeConfig

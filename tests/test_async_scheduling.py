@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_same_tokens, prompt
+from helpers import assert_same_tokens, prompt
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import LLM, SamplingParams
 from test_graphs import assert_same_outputs, decode_tight_with_an_abort

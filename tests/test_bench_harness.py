@@ -172,7 +172,7 @@ def test_sweep_of_the_tiny_deployment_through_the_cli(ray_cluster, tiny_checkpoi
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tiny_checkpoint):
-    from conftest import free_port
+    from helpers import free_port
     from ray import serve
 
     from rackserve.serve.app import build, delete

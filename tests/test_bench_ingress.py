@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import free_port
+from helpers import free_port
 
 from rackserve.bench.ingress import main
 

@@ -4,7 +4,7 @@ both ingress paths."""
 from __future__ import annotations
 
 import pytest
-from conftest import free_port
+from helpers import free_port
 
 from rackserve.bench.serve_overhead import main
 

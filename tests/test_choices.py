@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from conftest import prompt
+from helpers import prompt
 from rackserve.engine import LLM, SamplingParams
 from rackserve.engine.grammar import GrammarSpec
 from rackserve.engine.request import Completion, RequestOutput

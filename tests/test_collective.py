@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from conftest import free_port
+from helpers import free_port
 from rackserve.collective import CollectiveError, Communicator, RendezvousServer, codec, handshake
 from rackserve.collective.schedule import broadcast_steps, core_size, doubling_steps, neighbours
 from rackserve.collective.wire import Connection, encode_header, listen

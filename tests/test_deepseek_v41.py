@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import new_state, prompt, step
+from helpers import new_state, prompt, step
 from rackserve.config import ConfigError
 from rackserve.kernels.indexer import top_entries
 from rackserve.models import load_model, read_config

@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
+from helpers import assert_same_tokens, free_port, prompt
 
-from conftest import assert_same_tokens, free_port, prompt
 from rackserve.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -35,7 +35,7 @@ def test_engine_greedy_outputs_pass_teacher_forcing_against_the_reference(v41_ch
 
 @pytest.mark.slow
 def test_pd_deployment_with_a_kv_store_and_eplb_gives_the_single_process_tokens(ray_cluster, v41_checkpoint):
-    from rackserve.actors.deployment import Deployment
+    from rackserve.cluster.deployment import Deployment
 
     dep = Deployment(v41_checkpoint, prefill="1xDEP1", decode="1xDEP2", kv_stores=1, engine_kwargs=ENGINE,
                      store_memory_mb=16, timeout=10.0, decode_engine_kwargs={"eplb_interval": 2})

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import assert_same_tokens, free_port, new_state, prompt, step
+from helpers import assert_same_tokens, free_port, new_state, prompt, step
 from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.models.deepseek_v4 import load_model
 from rackserve.models.deepseek_v4.memory import weight_bytes

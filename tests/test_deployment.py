@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
+from helpers import assert_same_tokens, prompt
 
-from conftest import assert_same_tokens, prompt
-from rackserve.actors.deployment import Deployment
+from rackserve.cluster.deployment import Deployment
 from rackserve.engine import LLM, SamplingParams
 
 # a reservation outlives any push of a healthy run, however loaded the machine: in the shared

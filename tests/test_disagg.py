@@ -9,12 +9,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from helpers import assert_same_tokens, prompt
 
-from conftest import assert_same_tokens, prompt
 from rackserve.config import EngineConfig
 from rackserve.engine import LLM, Engine, SamplingParams
 from rackserve.models.deepseek_v4 import load_model
-from rackserve.transfer.kv import KVAgent, TransferError
+from rackserve.transfer.kv_agent import KVAgent, TransferError
 
 _names = itertools.count()
 

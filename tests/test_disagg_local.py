@@ -10,7 +10,7 @@ import logging
 import msgpack
 import pytest
 
-from conftest import prompt
+from helpers import prompt
 from rackserve.engine import LLM, Engine, SamplingParams
 from rackserve.engine.prefix_store import PrefixStore
 from rackserve.models import load_model

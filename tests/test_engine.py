@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt
+from helpers import REFERENCE_CONFIGS, assert_same_tokens, prompt
 from rackserve.engine import LLM, Completion, RequestError, RequestOutput, SamplingParams
 from rackserve.engine.penalties import TokenHistory
 from rackserve.engine.request import TokenLogprobs

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port
+from helpers import free_port
 
 from rackserve.kernels.moe import moe_ffn_torch
 from rackserve.placement import choose_slots, rebalance

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from conftest import assert_same_tokens, prompt
+from helpers import assert_same_tokens, prompt
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import LLM, SamplingParams
 from rackserve.engine.graphs import _leaves

@@ -19,17 +19,17 @@ import time
 import jsonschema
 import pytest
 import ray
+from helpers import assert_same_tokens, prompt, settled_stats
+from test_structured import assorted_schemas
 
-from conftest import assert_same_tokens, prompt, settled_stats
-from rackserve.actors.faults import InstanceError
-from rackserve.actors.instance import Instance
+from rackserve.cluster.faults import InstanceError
+from rackserve.cluster.instance import Instance
 from rackserve.config import ConfigError
 from rackserve.engine import LLM, SamplingParams
 from rackserve.engine.grammar import GrammarSpec
 from rackserve.models.deepseek_v4.tiny import make_tiny
 from rackserve.placement import InstanceGroup, PlacementSpec, plan
 from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
-from test_structured import assorted_schemas
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64}

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from helpers import free_port
 
-from rackserve.actors.cluster import WORKER_ENV
+from rackserve.cluster.ray_env import WORKER_ENV
 from rackserve.models.deepseek_v4.tiny import default_cache_dir
 from rackserve.serve.ingress import direct_ingress_env
 

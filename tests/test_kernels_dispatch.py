@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import new_state, prompt, step
+from helpers import new_state, prompt, step
 from rackserve.models.deepseek_v4.config import CSA, HCA, SLIDING
 from rackserve.kernels import dispatch
 from rackserve.models.deepseek_v4 import load_model

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rackserve.transfer.kv import KVAgent, RemoteRegion, TransferError
+from rackserve.transfer.kv_agent import KVAgent, RemoteRegion, TransferError
 from rackserve.transfer.pool import RangeAllocator
 
 

@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import torch
 
-from rackserve.transfer.kv import KVAgent
+from rackserve.transfer.kv_agent import KVAgent
 from rackserve.transfer.local import LocalAgent
 from rackserve.transfer.messages import Freed, Message, MessageError, Pushed, PushFailed, Put, Release, receive
 from rackserve.transfer.transport import ALIGN, KVTransport, RemoteRegion, TransferError

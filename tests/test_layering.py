@@ -1,6 +1,7 @@
 """The layering the design promises, checked on what Python actually imports (each check in a fresh
-interpreter): the engine knows no model family, the models know no placement, and nothing below the
-actors loads Ray."""
+interpreter): serve -> cluster -> actors -> engine -> models; the engine knows no model family, the
+models know no placement, the actors know neither the control plane nor the ingress, the control
+plane knows no ingress, and nothing below the actors loads Ray."""
 
 from __future__ import annotations
 
@@ -47,6 +48,18 @@ def test_the_models_import_nothing_from_placement():
 
 def test_nothing_below_the_actors_imports_ray():
     modules = [m for package in BELOW_ACTORS for m in modules_under(package)]
-    assert "rackserve.transfer.kv" in modules and "rackserve.engine.engine" in modules
+    assert "rackserve.transfer.kv_agent" in modules and "rackserve.engine.engine" in modules
     loaded = loaded_after(modules)
     assert not {m for m in loaded if m == "ray" or m.startswith("ray.")}
+
+
+def test_the_actors_import_neither_the_control_plane_nor_the_ingress():
+    loaded = loaded_after(modules_under("actors"))
+    assert "rackserve.actors.dp_rank" in loaded
+    assert not {m for m in loaded if m.startswith(("rackserve.cluster", "rackserve.serve"))}
+
+
+def test_the_control_plane_imports_no_ingress():
+    loaded = loaded_after(modules_under("cluster"))
+    assert "rackserve.cluster.deployment" in loaded
+    assert not {m for m in loaded if m.startswith("rackserve.serve")}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import new_state, prompt, step
+from helpers import new_state, prompt, step
 from rackserve.models.deepseek_v4 import CheckpointError, load_model
 
 

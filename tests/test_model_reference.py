@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import new_state, prompt, step
+from helpers import new_state, prompt, step
 
 ATOL = 1e-4
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import ray
-from conftest import assert_recovered, free_port
+from helpers import assert_recovered, free_port
 from ray import serve
 
 from rackserve.bench import faults

@@ -12,7 +12,7 @@ from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.engine.penalties import ChunkRows, TokenHistory, bad_word_ids, build_adjustments
 from rackserve.engine.request import Request
 from rackserve.engine.sampling import SamplingBatch, sample
-from conftest import prompt, teacher_logits
+from helpers import prompt, teacher_logits
 
 V = 48
 EOS = (1,)

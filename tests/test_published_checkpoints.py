@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import new_state, prompt, step
+from helpers import new_state, prompt, step
 from rackserve.cli import main as cli
 from rackserve.config import ConfigError
 from rackserve.models.deepseek_v4.config import ModelConfig

@@ -13,15 +13,15 @@ import functools
 
 import pytest
 import torch
+from helpers import assert_same_tokens, new_state, prompt
 
-from conftest import assert_same_tokens, new_state, prompt
-from rackserve.actors.deployment import Deployment
+from rackserve.cluster.deployment import Deployment
 from rackserve.config import ConfigError
-from rackserve.models.deepseek_v4.config import HCA
 from rackserve.engine import LLM, SamplingParams
 from rackserve.kernels import dispatch
 from rackserve.models import load_model
 from rackserve.models.deepseek_v4 import ForwardBatch
+from rackserve.models.deepseek_v4.config import HCA
 
 LENGTHS = (300, 137, 64, 211)  # ragged; 300 tokens cross 75 CSA and 18 HCA boundaries of the tiny model
 CHUNK = 8  # tokens per request per step: every window and carry is read back from the state many times

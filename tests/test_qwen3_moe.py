@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import assert_same_tokens, prompt, settled_stats
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_same_tokens, prompt, settled_stats
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import LLM, SamplingParams
 from rackserve.engine.state_cache import StateCache
@@ -303,7 +303,7 @@ def test_pd_deployment_equals_the_single_process_engine(ray_cluster, checkpoint,
     """Prefill on a DEP1 instance, state pushed over NIXL to a DEP2 decode instance re-placing experts,
     with a KV store (a KV cache has no slot tensors: its prefix snapshots cost nothing); a repeated
     prompt is then read from the store."""
-    from rackserve.actors.deployment import Deployment
+    from rackserve.cluster.deployment import Deployment
 
     dep = Deployment(checkpoint, prefill="1xDEP1", decode="1xDEP2", kv_stores=1,
                      engine_kwargs={**RAY_ENGINE, "kv_timeout_s": 60.0}, timeout=10.0,
@@ -324,9 +324,9 @@ def test_the_openai_endpoint_serves_the_checkpoint_directory(ray_cluster, checkp
     """`rackserve serve`'s app (P/D, DEP1 each; no KV store, the P/D test has one) over real HTTP: one
     completion, the single-process engine's greedy text."""
     import httpx
+    from helpers import free_port
     from ray import serve
 
-    from conftest import free_port
     from rackserve.serve import ingress
     from rackserve.serve.app import build, delete
 
@@ -349,7 +349,7 @@ def test_the_openai_endpoint_serves_the_checkpoint_directory(ray_cluster, checkp
 
 @pytest.mark.slow
 def test_dep2_instance_with_eplb_equals_the_single_process_engine(ray_cluster, checkpoint, reference):
-    from rackserve.actors.instance import Instance
+    from rackserve.cluster.instance import Instance
 
     inst = Instance(checkpoint, dep=2, redundant_slots=2, engine_kwargs={**RAY_ENGINE, "eplb_interval": 2})
     try:

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 import ray
-from conftest import GPUS_PER_TRAY, RACKS, TRAYS
+from helpers import GPUS_PER_TRAY, RACKS, TRAYS
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rackserve.placement import (
     RACK_LABEL,
     TRAY_LABEL,
     InstanceGroup,
-    KVStore,
     PlacementSpec,
+    PlannedStore,
     Rack,
     Topology,
     Tray,
@@ -87,9 +87,9 @@ def test_bundles_pin_each_gpu_by_label():
 
 
 def test_an_unplaceable_gang_gives_up_within_its_bound_saying_what_it_waits_for(ray_cluster, monkeypatch):
-    from rackserve.actors import gang_supervisor
-    from rackserve.actors.faults import UnplacedError
-    from rackserve.actors.instance import Instance
+    from rackserve.cluster import gang_supervisor
+    from rackserve.cluster.faults import UnplacedError
+    from rackserve.cluster.instance import Instance
 
     monkeypatch.setattr(gang_supervisor, "START_S", 2.0)  # the first start's bound on placement
     elsewhere = Topology((Rack("rack9", (Tray("tray0", 2),)),))  # no node has these labels
@@ -106,7 +106,7 @@ def test_a_lost_tray_leaves_the_live_topology_and_its_kv_store_moves_to_its_rack
     alive = alive_trays()
     assert alive == {(f"rack{r}", f"tray{t}") for r in range(RACKS) for t in range(TRAYS)}
     assert live_topology(Topology.uniform(3, 2, 2)).racks == Topology.uniform(RACKS, TRAYS, 2).racks  # rack2 has none
-    store = KVStore("rack0", "tray1")
+    store = PlannedStore("rack0", "tray1")
     assert kv_store_options(store, alive=alive)["label_selector"] == {RACK_LABEL: "rack0", TRAY_LABEL: "tray1"}
     without = alive - {("rack0", "tray1")}
     assert kv_store_options(store, alive=without)["label_selector"] == {RACK_LABEL: "rack0"}

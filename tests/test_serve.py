@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import free_port
+from helpers import free_port
 from ray import serve
 
 from rackserve.engine import LLM, SamplingParams

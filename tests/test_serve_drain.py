@@ -20,7 +20,7 @@ import httpx
 import pytest
 import ray
 import yaml
-from conftest import free_port
+from helpers import free_port
 from ray import serve
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt
+from helpers import REFERENCE_CONFIGS, assert_same_tokens, prompt
 
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.models.deepseek_v4.config import CSA, HCA, ModelConfig

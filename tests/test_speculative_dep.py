@@ -8,10 +8,10 @@ on a skewed checkpoint; a P/D deployment speculating on the decode side only get
 from __future__ import annotations
 
 import pytest
-from conftest import REFERENCE_CONFIGS, assert_same_tokens, prompt, settled_stats
+from helpers import REFERENCE_CONFIGS, assert_same_tokens, prompt, settled_stats
 
-from rackserve.actors.deployment import Deployment, _role_engine_kwargs
-from rackserve.actors.instance import Instance
+from rackserve.cluster.deployment import Deployment, _role_engine_kwargs
+from rackserve.cluster.instance import Instance
 from rackserve.config import ConfigError
 from rackserve.engine import LLM, SamplingParams
 from rackserve.models.deepseek_v4.tiny import make_tiny

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import prompt
+from helpers import prompt
 from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.engine.state_cache import StateCache
 from rackserve.models.deepseek_v4.state import ModelState

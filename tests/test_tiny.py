@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from conftest import new_state, prompt, step
+from helpers import new_state, prompt, step
 from rackserve.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
 from rackserve.models.deepseek_v4 import load_model
 from rackserve.models.tokenizer import Tokenizer

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import assert_same_tokens, new_state, step
+from helpers import assert_same_tokens, new_state, step
 from rackserve.engine import LLM, SamplingParams
 from rackserve.models import load_model, resolve
 from rackserve.models.code_corpus import corpus, held_out_prompts, token_stream

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import free_port
+from helpers import free_port
 
 from rackserve.engine.grammar import Grammars, GrammarSpec
 from rackserve.models.reply import FORMATS, parse_reply

@@ -25,7 +25,7 @@ from typing import Any
 from rackserve.actors.gang_member import GangMember, GangSpec
 from rackserve.engine import Engine, RequestOutput, SamplingParams
 from rackserve.models.tokenizer import Tokenizer
-from rackserve.transfer.kv import KVAgent, KVReservation, RemoteRegion, TransferError
+from rackserve.transfer.kv_agent import KVAgent, KVReservation, RemoteRegion, TransferError
 
 log = logging.getLogger(__name__)
 CONSUMER_TIMEOUT_S = 30.0  # a consumer silent this long is gone: its requests are aborted

@@ -17,7 +17,7 @@ import torch
 from rackserve.config import EngineConfig
 from rackserve.engine.prefix_store import PrefixStore
 from rackserve.models import read_config, resolve
-from rackserve.transfer.kv import KVAgent
+from rackserve.transfer.kv_agent import KVAgent
 
 BUSY_POLL_S, IDLE_POLL_S, BUSY_FOR_S = 0.001, 0.02, 1.0
 

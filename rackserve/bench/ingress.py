@@ -67,11 +67,11 @@ import httpx
 import ray
 from ray import serve
 
-from rackserve.actors.deployment_client import DeploymentClient
 from rackserve.bench import script
 from rackserve.bench.drivers import completion_stream
 from rackserve.bench.instance import workload
 from rackserve.bench.metrics import percentile
+from rackserve.cluster.deployment_client import DeploymentClient
 from rackserve.engine import SamplingParams
 from rackserve.serve import ingress
 from rackserve.serve.app import REPLICA_HEADER, build, delete

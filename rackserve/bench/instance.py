@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from rackserve.actors.instance import Instance
 from rackserve.bench import script
+from rackserve.cluster.instance import Instance
 from rackserve.engine import LLM, SamplingParams
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
 

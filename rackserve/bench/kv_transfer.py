@@ -43,7 +43,7 @@ from rackserve.bench import script
 from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.models.deepseek_v4.state import ModelState
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
-from rackserve.transfer.kv import ALIGN, KVAgent, RemoteRegion
+from rackserve.transfer.kv_agent import ALIGN, KVAgent, RemoteRegion
 
 TARGET = "NIXL push ≥ 50% of memcpy from 8 MB up, and faster than the object store"
 

@@ -20,7 +20,7 @@ import statistics
 import time
 
 from rackserve.bench import script
-from rackserve.placement import GpuId, Instance, InstanceGroup, PlacementSpec, Plan, Topology, plan
+from rackserve.placement import GpuId, InstanceGroup, PlacementSpec, Plan, PlannedInstance, Topology, plan
 
 # (role, instances per rack-equivalent, DEP size), in the order a user lists them.
 MIX = (("prefill", 8, 2), ("prefill", 2, 4), ("decode", 1, 32), ("decode", 1, 16))
@@ -40,7 +40,8 @@ def naive_first_fit(topology: Topology, spec: PlacementSpec) -> Plan:
             if r is None:
                 raise RuntimeError(f"naive first-fit: {group.role} instance {i} ({group.shape}) does not fit")
             gpus, free[r] = tuple(free[r][:group.gpus]), free[r][group.gpus:]
-            instances.append(Instance(group.role, i, group.mode, group.shape, gpus[:group.size], gpus[group.size:]))
+            instances.append(PlannedInstance(group.role, i, group.mode, group.shape, gpus[:group.size],
+                                             gpus[group.size:]))
     return Plan(topology, spec, tuple(instances), ())
 
 

@@ -21,7 +21,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from rackserve.actors.cluster import WORKER_ENV
+from rackserve.cluster.ray_env import WORKER_ENV
 from rackserve.placement.ray_groups import label_selector
 
 

@@ -59,7 +59,7 @@ def routed_load(prompts: list[str], params: SamplingParams) -> tuple[np.ndarray,
 
 def live_eplb(prompts: list[str], params: SamplingParams, interval: int) -> list[list[float]]:
     """(before, after) balancedness of each EPLB re-placement of a DEP2 instance with 2 redundant slots."""
-    from rackserve.actors.instance import Instance
+    from rackserve.cluster.instance import Instance
 
     with script.ray_cluster():
         inst = Instance("tiny-code", dep=2, redundant_slots=2,

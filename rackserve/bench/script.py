@@ -38,7 +38,7 @@ def ray_cluster(address: str | None = None, **init_kwargs) -> Iterator[None]:
     left again on exit."""
     import ray
 
-    from rackserve.actors.cluster import local_ray
+    from rackserve.cluster.ray_env import local_ray
 
     if ray.is_initialized():  # not ours to shut down
         yield

@@ -41,10 +41,10 @@ import httpx
 import ray
 from ray import serve
 
-from rackserve.actors.deployment import Deployment
 from rackserve.bench import script
 from rackserve.bench.instance import workload
 from rackserve.bench.metrics import percentile
+from rackserve.cluster.deployment import Deployment
 from rackserve.engine import SamplingParams
 from rackserve.serve import ingress
 from rackserve.serve.app import build, delete

@@ -33,9 +33,9 @@ from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.models.deepseek_v4.memory import PUBLISHED_STATE_BYTES_PER_TOKEN, state_bytes
 from rackserve.models.deepseek_v4.tiny import ensure_tiny
 from rackserve.models.deepseek_v41 import FLASH_CONFIG
-from rackserve.models.deepseek_v41.tiny import TINY_TEXT_CONFIG
 from rackserve.models.deepseek_v41.config import ModelConfig as V41Config
-from rackserve.transfer.kv import ALIGN, KVAgent
+from rackserve.models.deepseek_v41.tiny import TINY_TEXT_CONFIG
+from rackserve.transfer.kv_agent import ALIGN, KVAgent
 
 # the shapes whose state the figures are of: (config, activation dtype), by name and summary key
 FLASH = {"V4-Flash": ("v4flash", ModelConfig.from_dict({})), "V4.1-Flash": ("v41flash", read_config(FLASH_CONFIG))}

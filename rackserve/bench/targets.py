@@ -17,8 +17,8 @@ import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from rackserve.actors.deployment import Deployment
-from rackserve.actors.instance import Instance
+from rackserve.cluster.deployment import Deployment
+from rackserve.cluster.instance import Instance
 from rackserve.engine import RequestOutput, SamplingParams
 from rackserve.placement import InstanceGroup
 

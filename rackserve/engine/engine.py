@@ -13,9 +13,9 @@ import torch
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.engine.forward_thread import ForwardThread
-from rackserve.engine.graphs import DecodeGraphs
 from rackserve.engine.gang import ExpertBalancer, Gang, sync
 from rackserve.engine.grammar import Grammars
+from rackserve.engine.graphs import DecodeGraphs
 from rackserve.engine.kv_port import KVPort
 from rackserve.engine.penalties import TokenHistory, bad_word_ids
 from rackserve.engine.request import Request, RequestOutput
@@ -355,7 +355,7 @@ class Engine:
         self.kv.progress()
 
     def load(self) -> dict:
-        """What a router weighs (`rackserve.serve.router`): requests held (running, waiting, and state on
+        """What a router weighs (`rackserve.cluster.request_router`): requests held (running, waiting, and state on
         its way in), tokens of state they hold or will (prompt + output so far, and a pushed request's
         prompt), and prompt tokens still to prefill here."""
         queued = [*self.scheduler.running, *self.scheduler.waiting]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from rackserve.gpu_check.report import Setup
 
 if TYPE_CHECKING:  # importing it loads NIXL: the check does when the part runs
-    from rackserve.transfer.kv import KVAgent, RemoteRegion
+    from rackserve.transfer.kv_agent import KVAgent, RemoteRegion
 
 SIZES_MIB = {False: 256, True: 1}  # by `small`
 REPEATS = {False: 5, True: 2}
@@ -45,7 +45,7 @@ def push(sender: KVAgent, receiver: KVAgent, region: RemoteRegion, notif: bytes)
 def check_nixl(setup: Setup) -> tuple[dict, list[str]]:
     """Part 3: (headline figures, failures)."""
     from rackserve.bench.kv_transfer import fill_pool, pool_holds, zeroed_range
-    from rackserve.transfer.kv import ALIGN, KVAgent
+    from rackserve.transfer.kv_agent import ALIGN, KVAgent
 
     mib, repeats = SIZES_MIB[setup.small], REPEATS[setup.small]
     nbytes = mib << 20

@@ -109,7 +109,7 @@ class PagedState:
         for t in self.pieces()[1]:
             t[dst].copy_(t[src])
 
-    # ---- transfer as bytes (a registered pool range: see rackserve.transfer.kv) ----------------------
+    # ---- transfer as bytes (a registered pool range: see rackserve.transfer.kv_agent) ----------------------
     def blob_nbytes(self, num_tokens: int) -> int:
         """Bytes of the exported state of a request holding `num_tokens` tokens."""
         return self.slot_bytes + self.pages_for(num_tokens) * self.page_bytes

@@ -16,16 +16,16 @@ from rackserve.placement.eplb import (
 )
 from rackserve.placement.planner import (
     GpuId,
-    Instance,
     InstanceGroup,
-    KVStore,
     PlacementError,
     PlacementSpec,
     Plan,
+    PlannedInstance,
+    PlannedStore,
     plan,
 )
 from rackserve.placement.topology import RACK_LABEL, TRAY_LABEL, Rack, Topology, TopologyError, Tray
 
-__all__ = ["RACK_LABEL", "TRAY_LABEL", "GpuId", "Instance", "InstanceGroup", "KVStore", "Placement",
-           "PlacementError", "PlacementSpec", "Plan", "Rack", "Topology", "TopologyError", "Tray", "balancedness",
+__all__ = ["RACK_LABEL", "TRAY_LABEL", "GpuId", "InstanceGroup", "Placement", "PlacementError", "PlacementSpec", "Plan",
+           "PlannedInstance", "PlannedStore", "Rack", "Topology", "TopologyError", "Tray", "balancedness",
            "choose_slots", "greedy_reference", "moved_slots", "plan", "rebalance"]

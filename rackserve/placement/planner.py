@@ -138,7 +138,7 @@ class PlacementSpec:
 
 
 @dataclass(frozen=True)
-class Instance:
+class PlannedInstance:
     """One placed instance. `gpus[i]` is DP rank i's GPU (in dep mode also expert rank i's);
     `expert_gpus[j]` is expert rank j's GPU in afd mode (empty in dep mode)."""
 
@@ -174,7 +174,7 @@ class Instance:
 
 
 @dataclass(frozen=True)
-class KVStore:
+class PlannedStore:
     """A host-memory KV-store actor (CPU only) on one tray."""
 
     rack: str
@@ -191,8 +191,8 @@ class Plan:
 
     topology: Topology
     spec: PlacementSpec
-    instances: tuple[Instance, ...]
-    kv_stores: tuple[KVStore, ...]
+    instances: tuple[PlannedInstance, ...]
+    kv_stores: tuple[PlannedStore, ...]
 
     @property
     def gpus_used(self) -> int:
@@ -219,7 +219,7 @@ class Plan:
                 stranded[rack] += size[rack, tray] - n
         return stranded
 
-    def instance(self, name: str) -> Instance:
+    def instance(self, name: str) -> PlannedInstance:
         for inst in self.instances:
             if inst.name == name:
                 return inst
@@ -289,7 +289,7 @@ class _FreeGpus:
         self.where = {(rack.name, tray.name): (r, t) for r, rack in enumerate(topology.racks)
                       for t, tray in enumerate(rack.trays)}
 
-    def claim(self, inst: Instance) -> bool:
+    def claim(self, inst: PlannedInstance) -> bool:
         """Take exactly `inst`'s GPUs if all of them exist and are free (else take none)."""
         spots = [(self.where.get((g.rack, g.tray)), g.gpu) for g in inst.all_gpus]
         if any(rt is None or gpu not in self.free[rt[0]][rt[1]] for rt, gpu in spots) \
@@ -402,7 +402,7 @@ def plan(topology: Topology, spec: PlacementSpec, previous: Plan | None = None) 
                                  f"has {largest} (use smaller instances, or a topology with larger racks)")
     order = [(g, i) for g in spec.canonical_groups for i in range(g.count)]
     state = _FreeGpus(topology)
-    kept: dict[tuple[str, str, int], Instance] = {}
+    kept: dict[tuple[str, str, int], PlannedInstance] = {}
     if previous is not None:
         wanted = {(g.role, g.shape, i) for g, i in order}
         kept = {inst.key: inst for inst in previous.instances if inst.key in wanted and state.claim(inst)}
@@ -414,16 +414,16 @@ def plan(topology: Topology, spec: PlacementSpec, previous: Plan | None = None) 
             if choice is None:
                 raise state.no_fit(g, i)
             gpus = tuple(state.take(*choice, g.role))
-            inst = Instance(g.role, i, g.mode, g.shape, gpus[:g.size], gpus[g.size:])
+            inst = PlannedInstance(g.role, i, g.mode, g.shape, gpus[:g.size], gpus[g.size:])
         instances.append(inst)
     return Plan(topology, spec, tuple(instances), _kv_stores(topology, spec.kv_stores, instances))
 
 
-def _kv_stores(topology: Topology, layout: str, instances: list[Instance]) -> tuple[KVStore, ...]:
+def _kv_stores(topology: Topology, layout: str, instances: list[PlannedInstance]) -> tuple[PlannedStore, ...]:
     used = {(g.rack, g.tray) for inst in instances for g in inst.all_gpus}
     racks = {rack for rack, _ in used}
     if layout == "per_tray":
-        return tuple(KVStore(r.name, t.name) for r in topology.racks for t in r.trays if (r.name, t.name) in used)
+        return tuple(PlannedStore(r.name, t.name) for r in topology.racks for t in r.trays if (r.name, t.name) in used)
     if layout == "per_rack":  # the first tray, not the first used one: it stays put as instances come and go
-        return tuple(KVStore(r.name, r.trays[0].name) for r in topology.racks if r.name in racks)
+        return tuple(PlannedStore(r.name, r.trays[0].name) for r in topology.racks if r.name in racks)
     return ()

@@ -6,7 +6,7 @@
     KVStore.options(**kv_store_options(plan.kv_stores[0])).remote(...)
 
 Each instance gets one bundle per GPU (DP ranks, then expert ranks in afd mode, as
-`Instance.all_gpus`), each with a bundle label selector `rackserve.io/rack=R, rackserve.io/tray=T`
+`PlannedInstance.all_gpus`), each with a bundle label selector `rackserve.io/rack=R, rackserve.io/tray=T`
 naming the tray the plan chose. The selectors do the placing, so the group's strategy is PACK:
 STRICT_PACK would demand one node, and an instance of more than one tray spans several nodes
 (NVL72: a tray is a node of 4 GPUs). Ray then picks the GPU inside the node.
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from rackserve.placement.planner import Instance, KVStore, Plan
+from rackserve.placement.planner import Plan, PlannedInstance, PlannedStore
 from rackserve.placement.topology import RACK_LABEL, TRAY_LABEL, Rack, Topology, TopologyError
 
 
@@ -30,7 +30,7 @@ def label_selector(rack: str, tray: str) -> dict[str, str]:
     return {RACK_LABEL: rack, TRAY_LABEL: tray}
 
 
-def bundles(inst: Instance, resources: Mapping[str, float] | None = None) -> tuple[list[dict], list[dict]]:
+def bundles(inst: PlannedInstance, resources: Mapping[str, float] | None = None) -> tuple[list[dict], list[dict]]:
     """(bundles, bundle label selectors) of one instance, one of each per GPU in `inst.all_gpus`.
 
     resources: what one bundle reserves, default {"GPU": 1}; tests on machines without GPUs may
@@ -48,7 +48,7 @@ def placement_groups(plan: Plan, resources: Mapping[str, float] | None = None,
     return {inst.name: placement_group_of(inst, resources, name_prefix) for inst in plan.instances}
 
 
-def placement_group_of(inst: Instance, resources: Mapping[str, float] | None = None,
+def placement_group_of(inst: PlannedInstance, resources: Mapping[str, float] | None = None,
                        name_prefix: str = "rackserve") -> PlacementGroup:
     """Create (asynchronously) the placement group of one planned instance (see `placement_groups`)."""
     bs, selectors = bundles(inst, resources)
@@ -96,7 +96,7 @@ def remove(groups: Mapping[str, PlacementGroup]) -> None:
         remove_placement_group(pg)
 
 
-def kv_store_options(store: KVStore, num_cpus: float = 1.0, alive: set[tuple[str, str]] | None = None) -> dict:
+def kv_store_options(store: PlannedStore, num_cpus: float = 1.0, alive: set[tuple[str, str]] | None = None) -> dict:
     """`.options(...)` for a KV-store actor: pinned to its tray by label, using no GPU. With `alive` (the
     trays that have a node now, `alive_trays()`), a store whose tray has none is pinned to its rack
     instead, or to no node if its whole rack is gone: a store is a cache, better near than nowhere."""

@@ -8,7 +8,7 @@ one data plane.
 `build(settings)` is the Ray Serve application builder (`serve run deploy/tiny-cpu.yaml`,
 `rackserve serve`): `num_ingress_replicas` replicas of `OpenAIServer`. The engines belong to the
 app's data plane (`rackserve.serve.controller`, a detached actor the first replica creates and the
-others attach to by name); each replica routes with its own `Router` and streams each request
+others attach to by name); each replica routes with its own `RequestRouter` and streams each request
 straight from its decode rank (`DeploymentClient`), so the HTTP tier scales out, and a replica that
 dies or is upgraded costs only its own streams, never the engines. Every failure a client can cause
 is answered with an OpenAI-shaped 4xx and costs nobody else anything; more than `max_inflight`
@@ -34,8 +34,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
-from rackserve.actors.deployment_client import DeploymentClient
-from rackserve.actors.faults import InstanceError
+from rackserve.cluster.deployment_client import DeploymentClient
+from rackserve.cluster.faults import InstanceError
 from rackserve.engine import RequestOutput
 from rackserve.engine.grammar import GrammarError, Grammars, GrammarSpec
 from rackserve.models import BUILT_IN, family_of, read_config_json, resolve

@@ -28,15 +28,15 @@ import time
 
 import ray
 
-from rackserve.actors.deployment import Deployment
-from rackserve.actors.faults import diagnose
+from rackserve.cluster.deployment import Deployment
+from rackserve.cluster.faults import diagnose
+from rackserve.cluster.request_router import RankKey
 from rackserve.config import EngineConfig
 from rackserve.models import read_config
 from rackserve.placement import RACK_LABEL, TRAY_LABEL, InstanceGroup, PlacementSpec, Topology, plan
 from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
 from rackserve.serve import health
 from rackserve.serve.config import INGRESS_FIELDS, ServeConfig
-from rackserve.serve.router import RankKey
 
 HEALTH_TIMEOUT_S = 5.0
 ORPHAN_S = 30.0  # a data plane whose Serve app has been gone this long shuts itself down

@@ -7,7 +7,7 @@ pass of T tokens routes T x k token-expert pairs as one multinomial draw over th
 many steps is one draw of all its pairs (a sum of multinomials with the same probabilities is one
 multinomial).
 
-`ExpertPlacement` holds the layout in use, starts where `rackserve.actors.instance.Instance`
+`ExpertPlacement` holds the layout in use, starts where `rackserve.cluster.instance.Instance`
 starts (`rebalance` of a uniform load), counts the load it served, and every `interval` steps
 re-places with `rackserve.placement.eplb.rebalance`, as `rackserve.engine.gang.ExpertBalancer` does.
 """

@@ -1,7 +1,7 @@
 """What the engine needs of a transport for request state (`KVTransport`), the values that name state
 across agents, and the pool half every implementation shares (`PoolAgent`).
 
-Implementations: `rackserve.transfer.kv.KVAgent` (NIXL over UCX, between processes and machines; the
+Implementations: `rackserve.transfer.kv_agent.KVAgent` (NIXL over UCX, between processes and machines; the
 default everywhere) and `rackserve.transfer.local.LocalAgent` (memory copies between agents of one
 process, for tests of the P/D logic). `tests/test_kv_transport.py` pins the semantics both keep:
 

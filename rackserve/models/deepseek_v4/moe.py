@@ -14,7 +14,7 @@ from rackserve.models.deepseek_v4.config import HASH_MOE, ModelConfig
 from rackserve.models.moe import Experts, RoutedMoE
 
 
-class Router(nn.Module):
+class Gate(nn.Module):
     """Scores experts and picks k per token: by score + correction bias, or by a frozen hash table.
 
     Either way the weights are the picked experts' scores, renormalised to sum to 1 and scaled
@@ -54,11 +54,11 @@ class SharedExpert(nn.Module):
 
 
 class MoE(RoutedMoE):
-    """Router (learned top-k or hash), routed experts and the shared expert."""
+    """Gate (learned top-k or hash), routed experts and the shared expert."""
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__(config.n_routed_experts, config.num_experts_per_tok)
-        self.gate = Router(config, hashed=config.mlp_layer_types[layer] == HASH_MOE)
+        self.gate = Gate(config, hashed=config.mlp_layer_types[layer] == HASH_MOE)
         self.experts = Experts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
                                config.swiglu_limit)
         self.shared_experts = SharedExpert(config)

@@ -14,7 +14,7 @@ from rackserve.models.moe import Experts, RoutedMoE
 from rackserve.models.qwen3_moe.config import ModelConfig
 
 
-class Router(nn.Module):
+class Gate(nn.Module):
     """Scores experts by a softmax (fp32) over `weight · x` and keeps the k best per token; their
     probabilities, renormalised to sum to 1 with `norm_topk_prob`, weigh the experts' outputs."""
 
@@ -38,7 +38,7 @@ class SparseMoeBlock(RoutedMoE):
 
     def __init__(self, config: ModelConfig):
         super().__init__(config.num_experts, config.num_experts_per_tok)
-        self.gate = Router(config)
+        self.gate = Gate(config)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
 
-from rackserve.actors.faults import InstanceError
+from rackserve.cluster.faults import InstanceError
 from rackserve.engine import RequestOutput
 
 

@@ -12,13 +12,13 @@ CUDA context on the GPU, no hop between two processes on it). The routed experts
 the fewest requests outstanding.
 
 The gang's life (start, restart, shutdown) is a `GangSupervisor`'s. Requests and outputs go through
-an `InstanceClient` (`rackserve.actors.instance_client`): the instance keeps one for its own Python
+an `InstanceClient` (`rackserve.cluster.instance_client`): the instance keeps one for its own Python
 API, and hands its gang's handles to other clients (ingress replicas) through `members_of`; outputs
 stream straight from a rank to the client that submitted.
 
 Faults: a member that dies or stops answering fails the gang (survivors notice at their next
 exchange, within `timeout`); every request in flight ends with an `InstanceError` naming the member
-(`rackserve.actors.faults`), and the instance restarts its gang (once, whichever client saw the
+(`rackserve.cluster.faults`), and the instance restarts its gang (once, whichever client saw the
 failure first), so the next requests are served.
 """
 
@@ -32,10 +32,10 @@ import ray
 import torch
 from ray.util.placement_group import PlacementGroup
 
-from rackserve.actors.faults import retry_after_restart
 from rackserve.actors.gang_member import GangSpec
-from rackserve.actors.gang_supervisor import GangSupervisor
-from rackserve.actors.instance_client import InstanceClient
+from rackserve.cluster.faults import retry_after_restart
+from rackserve.cluster.gang_supervisor import GangSupervisor
+from rackserve.cluster.instance_client import InstanceClient
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import Completion, RequestOutput, SamplingParams
 from rackserve.models import read_config, resolve
@@ -89,7 +89,7 @@ class Instance:
         self.client = InstanceClient(self.name, dep, self, label)
 
     @classmethod
-    def from_plan(cls, planned: planner.Instance, placement_group: PlacementGroup, model: str | Path = "tiny",
+    def from_plan(cls, planned: planner.PlannedInstance, placement_group: PlacementGroup, model: str | Path = "tiny",
                   bundle_resources: dict[str, float] | None = None, **kwargs) -> Instance:
         """The instance `planned` (from `placement.plan`) in its placement group (from
         `placement.ray_groups.placement_groups`, made with the same `bundle_resources`, default

@@ -4,7 +4,7 @@ The owner (`Deployment`, in-process or inside the serving data plane's actor) cr
 and KV stores and keeps them alive; a client, one per process that takes requests (the Python API's
 `Deployment` itself, every ingress replica), routes and streams:
 
-1. `Router` picks the decode rank (session affinity, else the least state load) and the prefill rank
+1. `RequestRouter` picks the decode rank (session affinity, else the least state load) and the prefill rank
    (affinity, else the fewest queued prompt tokens), from the loads the owner gathers from the ranks
    (refreshed every `LOAD_REFRESH_S` by a thread of this client); while no prefill rank reports (all
    restarting, down or lost), the decode rank is given the whole request and prefills it itself;
@@ -38,12 +38,12 @@ from typing import Protocol
 
 import ray
 
-from rackserve.actors.faults import InstanceError
-from rackserve.actors.instance_client import GangOwner, InstanceClient
+from rackserve.cluster.faults import InstanceError
+from rackserve.cluster.instance_client import GangOwner, InstanceClient
+from rackserve.cluster.request_router import RankKey, RequestRouter
 from rackserve.engine import Completion, RequestOutput, SamplingParams
 from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.models.tokenizer import Tokenizer
-from rackserve.serve.router import RankKey, Router
 
 LOAD_REFRESH_S = 0.25  # how often a client takes the ranks' reported loads from the owner
 REPLAY_S = 60.0  # how long a request whose decode gang failed is tried again before it ends with an error
@@ -107,7 +107,7 @@ class DeploymentClient:
                         for n, dep, shape in view["prefill"]}
         self.stores, self.rank_store = view["stores"], view["rank_store"]
         self.dead_stores: dict[int, float] = {}  # store index -> when found dead (time.monotonic())
-        self.router = Router([(n, r) for n, c in self.decode.items() for r in range(c.dep)],
+        self.router = RequestRouter([(n, r) for n, c in self.decode.items() for r in range(c.dep)],
                              [(n, r) for n, c in self.prefill.items() for r in range(c.dep)])
         self._routes: dict[str, _Route] = {}  # requests in flight from this client
         self.replayed = 0  # requests replayed after their decode gang failed, so far

@@ -29,8 +29,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rackserve.actors.dp_rank import DPRank
 from rackserve.actors.expert_rank import ExpertRank
-from rackserve.actors.faults import InstanceError, UnplacedError, diagnose, member_name
 from rackserve.actors.gang_member import GangSpec
+from rackserve.cluster.faults import InstanceError, UnplacedError, diagnose, member_name
 from rackserve.collective import RendezvousServer
 from rackserve.placement.ray_groups import lost_node
 

@@ -34,8 +34,8 @@ from typing import Protocol
 
 import ray
 
-from rackserve.actors.faults import GANG_ERRORS, InstanceError, retry_after_restart
-from rackserve.actors.output_stream import OutputStream
+from rackserve.cluster.faults import GANG_ERRORS, InstanceError, retry_after_restart
+from rackserve.cluster.output_stream import OutputStream
 from rackserve.engine import RequestOutput, SamplingParams
 
 POLL_TIMEOUT_S = 1.0  # an output pump's long-poll: an idle DP rank answers one poll per second

@@ -23,8 +23,15 @@ import time
 
 import torch
 
-from rackserve.transfer.transport import (ALIGN, PUSH_MARGIN_S, KVReservation, PoolAgent, RemoteRegion, Transfer,
-                                          TransferError)
+from rackserve.transfer.transport import (
+    ALIGN,
+    PUSH_MARGIN_S,
+    KVReservation,
+    PoolAgent,
+    RemoteRegion,
+    Transfer,
+    TransferError,
+)
 
 # the transport's values, re-exported: the engine, the actors and the benches import them from here
 __all__ = ["ALIGN", "PUSH_MARGIN_S", "KVAgent", "KVReservation", "RemoteRegion", "Transfer", "TransferError"]

@@ -1,10 +1,10 @@
-"""The ingress `Router` on its own (no Ray): affinity every replica agrees on, loads, bounded memory."""
+"""The ingress `RequestRouter` on its own (no Ray): affinity every replica agrees on, loads, bounded memory."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from rackserve.serve.router import Router
+from rackserve.cluster.request_router import RequestRouter
 
 DECODE = [("decode0-x", 0), ("decode0-x", 1), ("decode1-x", 0), ("decode1-x", 1)]
 PREFILL = [("prefill0-x", 0), ("prefill1-x", 0)]
@@ -12,19 +12,19 @@ PREFILL = [("prefill0-x", 0), ("prefill1-x", 0)]
 
 def test_two_routers_send_a_session_to_the_same_ranks():
     """Two replicas' routers, fed the same reports, route every session alike without sharing anything."""
-    a, b = Router(DECODE, PREFILL), Router(DECODE, PREFILL)
+    a, b = RequestRouter(DECODE, PREFILL), RequestRouter(DECODE, PREFILL)
     for i in range(200):
         session = f"chat-{i}"
         assert a.decode_rank(session, 120) == b.decode_rank(session, 120)
         assert a.prefill_rank(session, 100) == b.prefill_rank(session, 100)
         a.update({}), b.update({})  # fresh reports each time: only the hash decides
     # and the sessions spread over the ranks
-    spread = Counter(Router(DECODE, PREFILL).decode_rank(f"s{i}", 2) for i in range(400))
+    spread = Counter(RequestRouter(DECODE, PREFILL).decode_rank(f"s{i}", 2) for i in range(400))
     assert set(spread) == set(DECODE) and min(spread.values()) > 50
 
 
 def test_a_session_stays_put_until_its_rank_is_overloaded():
-    router = Router(DECODE, PREFILL, slack=0.5)
+    router = RequestRouter(DECODE, PREFILL, slack=0.5)
     home = router.decode_rank("chat-7", 200)
     router.update({rank: {"tokens": 1000, "prefill_tokens": 0} for rank in DECODE})
     assert router.decode_rank("chat-7", 200) == home  # balanced: where its history is
@@ -36,7 +36,7 @@ def test_a_session_stays_put_until_its_rank_is_overloaded():
 
 
 def test_requests_without_a_session_go_to_the_least_loaded_rank_and_a_burst_spreads():
-    router = Router(DECODE, PREFILL)
+    router = RequestRouter(DECODE, PREFILL)
     router.update({**{rank: {"tokens": 500, "prefill_tokens": 300} for rank in DECODE + PREFILL},
                    DECODE[2]: {"tokens": 10, "prefill_tokens": 0}, PREFILL[1]: {"tokens": 0, "prefill_tokens": 5}})
     assert (router.decode_rank(None, 110), router.prefill_rank(None, 100)) == (DECODE[2], PREFILL[1])
@@ -49,7 +49,7 @@ def test_requests_without_a_session_go_to_the_least_loaded_rank_and_a_burst_spre
 def test_10000_sessions_leave_the_router_as_small_as_its_ranks():
     """Affinity is a hash, not a table: a router holds a report and a counter per rank, whatever the
     number of sessions that passed through it."""
-    router = Router(DECODE, PREFILL)
+    router = RequestRouter(DECODE, PREFILL)
     for i in range(10_000):
         router.decode_rank(f"user-{i}", 80)
         router.prefill_rank(f"user-{i}", 64)
@@ -60,7 +60,7 @@ def test_10000_sessions_leave_the_router_as_small_as_its_ranks():
 
 def test_ranks_without_a_report_and_failed_instances_get_nothing_while_others_can_take_it():
     decode = [("d0", 0), ("d0", 1), ("d1", 0)]
-    router = Router(decode, [("p0", 0)])
+    router = RequestRouter(decode, [("p0", 0)])
     assert not router.prefill_down  # no report yet: every rank counts
     router.update({("d0", 0): {"tokens": 500}, ("d1", 0): {"tokens": 900}, ("p0", 0): {"prefill_tokens": 0}})
     picks = {router.decode_rank(None, 10) for _ in range(20)}

@@ -1,4 +1,4 @@
-"""`Router`: which decode rank and which prefill rank take a request. Plain Python, no Ray.
+"""`RequestRouter`: which decode rank and which prefill rank take a request. Plain Python, no Ray.
 
 Every ingress replica (and the Python API's `Deployment`) runs its own router over the same inputs,
 so N replicas route alike without talking to each other:
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 RankKey = tuple[str, int]  # (instance name, DP rank): the same in every process
 
 
-class Router:
+class RequestRouter:
     def __init__(self, decode: Sequence[RankKey], prefill: Sequence[RankKey], slack: float = 0.5):
         """`decode` / `prefill`: the ranks requests may go to; `slack`: how far above the mean load a
         session's own rank may be before its request goes to the session's next rank."""

@@ -10,7 +10,7 @@ agents, restarts a failed gang (once, whoever finds it: a client, or its own wat
 every `WATCH_S`) and rewires it (the agents that knew the dead ranks forget them), replaces a dead
 KV store by an empty one, and gathers the ranks' load reports every `LOAD_PERIOD_S`. Requests go
 through a `DeploymentClient` (routing, the P/D path, streaming, replay: see
-`rackserve.actors.deployment_client`): the deployment keeps one for its own Python API,
+`rackserve.cluster.deployment_client`): the deployment keeps one for its own Python API,
 and any other process (an ingress replica) can make its own from `view()`, `members_of`,
 `gang_failed` and `loads`, which is what the serving data plane exposes (`rackserve.serve.controller`).
 Each decode rank writes prompt + answer back to its KV store when a request finishes, so the next
@@ -32,11 +32,12 @@ from pathlib import Path
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from rackserve.actors.deployment_client import DeploymentClient
-from rackserve.actors.faults import GANG_ERRORS, InstanceError, UnplacedError, member_name
-from rackserve.actors.gang_supervisor import START_S
-from rackserve.actors.instance import Instance
 from rackserve.actors.kv_store import KVStore
+from rackserve.cluster.deployment_client import DeploymentClient
+from rackserve.cluster.faults import GANG_ERRORS, InstanceError, UnplacedError, member_name
+from rackserve.cluster.gang_supervisor import START_S
+from rackserve.cluster.instance import Instance
+from rackserve.cluster.request_router import RankKey
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import Completion, RequestOutput, SamplingParams
 from rackserve.models import resolve
@@ -45,7 +46,6 @@ from rackserve.placement import InstanceGroup, PlacementError, TopologyError
 from rackserve.placement import plan as plan_instances
 from rackserve.placement.planner import Plan
 from rackserve.placement.ray_groups import alive_trays, kv_store_options, live_topology, placement_group_of
-from rackserve.serve.router import RankKey
 
 log = logging.getLogger(__name__)
 LOAD_PERIOD_S = 0.2  # how often the owner gathers the ranks' load reports
