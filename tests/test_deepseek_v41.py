@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import new_state, prompt, step
+from rackserve import models
 from rackserve.config import ConfigError
 from rackserve.kernels.indexer import top_entries
 from rackserve.models import load_model, read_config
@@ -160,7 +161,7 @@ def test_engram_hash_against_hand_computed_rows():
     hasher.setup(token_map)
     cfg = ModelConfig.from_dict({"text_config": {**TINY_TEXT_CONFIG, "engram_layer_ids": [],
                                                  "vocab_size": 10}})
-    cache_state = cfg.new_state(1, 4, 4)
+    cache_state = models.new_state(cfg, 1, 4, 4)
     cache_state.lookback, cache_state.lookback_ids = 4, torch.zeros(1, 4, 1, dtype=torch.int32)
     handle = type("H", (), {"slot": 0, "pages": [0, 1, 2], "num_tokens": 0})()
     ids = [5, 1, 8, 3, 9]
@@ -219,7 +220,7 @@ def test_csa2_pooling_by_hand():
             for p in comp.parameters():
                 p.normal_()
         cfg = ModelConfig.from_dict({"text_config": {**TINY_TEXT_CONFIG, "engram_layer_ids": []}})
-        state = cfg.new_state(1, 4, 4)
+        state = models.new_state(cfg, 1, 4, 4)
         handle = type("H", (), {"slot": 0, "pages": [0, 1], "num_tokens": 0})()
         batch = ForwardBatch.build(state, [(handle, list(range(6)))])
         entries = torch.zeros(8, 8)

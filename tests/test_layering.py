@@ -5,6 +5,7 @@ plane knows no ingress, and nothing below the actors loads Ray."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,21 @@ def test_the_control_plane_imports_no_ingress():
     loaded = loaded_after(modules_under("cluster"))
     assert "rackserve.cluster.deployment" in loaded
     assert not {m for m in loaded if m.startswith("rackserve.serve")}
+
+
+
+def imported_by(module_file: Path) -> set[str]:
+    """The modules a file's import statements name, wherever they stand (inside functions too)."""
+    tree = ast.parse(module_file.read_text())
+    return {node.module if isinstance(node, ast.ImportFrom) else alias.name
+            for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names if not isinstance(node, ast.ImportFrom) or node.module}
+
+
+def test_a_family_config_is_data_that_imports_no_state_or_model():
+    """Importing a family's package loads all of it, so this is read from the files: the config is
+    what the state and the model are built from, never the other way round."""
+    for family in ("deepseek_v4", "deepseek_v41", "qwen3_moe"):
+        named = imported_by(ROOT / "models" / family / "config.py")
+        assert "rackserve.config" in named
+        assert not {m for m in named if m.rsplit(".", 1)[-1] in ("state", "model", "loader")}, (family, named)

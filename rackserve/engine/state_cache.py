@@ -1,6 +1,6 @@
 """The state cache: a model's per-request state under a byte budget, with prefix caching.
 
-Memory is one state of the model's family (`ModelSpec.new_state`, a `PagedState`): slots (fixed per
+Memory is one state of the model's family (`rackserve.models.new_state`, a `PagedState`): slots (fixed per
 running request; DeepSeek-V4: sliding windows + compressor carry) and pages (one per `block_size`
 tokens; V4: compressed entries + indexer keys; a plain KV cache: K and V). This class decides who
 owns what:
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rackserve.models import new_state
 from rackserve.models.interface import ModelSpec
 from rackserve.models.state import RequestState, StateBlob
 
@@ -70,7 +71,7 @@ class StateCache:
         `draft_layers`: 1 to hold the draft model's state too (speculative decoding); `state_dtype`: how
         the family stores what it may quantise (`EngineConfig.state_dtype`)."""
         max_snapshots = (max_requests if max_snapshots is None else max_snapshots) if prefix_caching else 0
-        probe = config.new_state(1, 1, block_size, dtype, "meta", draft_layers, state_dtype)
+        probe = new_state(config, 1, 1, block_size, dtype, "meta", draft_layers, state_dtype)
         slots = max_requests + max_snapshots
         slot_bytes, page_bytes = probe.slot_bytes, probe.page_bytes
         rest = budget_bytes - slots * slot_bytes
@@ -81,7 +82,7 @@ class StateCache:
                 f"{slot_bytes / 2**20:.2f} MiB plus pages of {page_bytes / 2**20:.3f} MiB; raise the state "
                 "memory or lower max_num_seqs / prefix_snapshots"
             )
-        self.state = config.new_state(slots, int(pages), block_size, dtype, device, draft_layers, state_dtype)
+        self.state = new_state(config, slots, int(pages), block_size, dtype, device, draft_layers, state_dtype)
         self.block_size, self.max_snapshots, self.prefix_caching = block_size, max_snapshots, prefix_caching
         self.stats = CacheStats()
         self._free_slots = list(range(slots - 1, -1, -1))

@@ -15,8 +15,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rackserve.config import ConfigError
 from rackserve.models.interface import ModelFamily, ModelSpec, ServingModel
+from rackserve.models.state import PagedState
 
 _PACKAGES = {"deepseek_v4": "rackserve.models.deepseek_v4", "deepseek_v41": "rackserve.models.deepseek_v41",
              "qwen3_moe": "rackserve.models.qwen3_moe"}
@@ -77,6 +80,16 @@ def read_config(path: str | Path) -> ModelSpec:
     """The config of the checkpoint at `path`, as its family reads it."""
     raw = read_config_json(path)
     return family_of(raw).config_from_dict(raw)
+
+
+def new_state(config: ModelSpec, num_slots: int, num_pages: int, block_size: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu", draft_layers: int = 0, state_dtype: str = "auto") -> PagedState:
+    """State memory of `config`'s family for `num_slots` requests and `num_pages` pages of `block_size`
+    tokens (`draft_layers`: 1 to hold the draft model's state too); `state_dtype` as
+    `EngineConfig.state_dtype`. A family that cannot (no draft model, a dtype it does not hold) raises
+    saying what to change."""
+    return family(config.model_type).new_state(config, num_slots, num_pages, block_size, dtype, device, draft_layers,
+                                               state_dtype)
 
 
 def load_model(path: str | Path, **kwargs) -> ServingModel:

@@ -48,11 +48,6 @@ class ModelSpec(Protocol):
     def check_speculation(self, k: int) -> None:
         """Raise `ConfigError` naming the fix if this model cannot draft `k` tokens per step."""
 
-    def new_state(self, num_slots: int, num_pages: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device | str, draft_layers: int = 0, state_dtype: str = "auto") -> PagedState:
-        """State memory for `num_slots` requests and `num_pages` pages (`draft_layers`: 1 to hold the
-        draft model's state too); `state_dtype` as `EngineConfig.state_dtype`."""
-
 
 @dataclass(frozen=True)
 class StaticShape:
@@ -156,14 +151,17 @@ class Drafter(Protocol):
 class ModelFamily:
     """A model family as the registry knows it: its `model_type`, how to read its config.json
     (a dict -> `ModelSpec`), how to load a checkpoint (`load(path, dtype=…, device=…, weights=…,
-    shard=…) -> ServingModel`), its model class (`model_class(config)`, what memory estimates build
-    on the meta device), for a family whose checkpoints ship no jinja chat template its own chat
-    encoding (`chat(messages, tools=…, thinking=…, reasoning_effort=…, response_format=…) -> prompt text`,
-    BOS included), and how its replies mark reasoning and tool calls (`reply`, for reply parsing)."""
+    shard=…) -> ServingModel`), its state memory (`new_state(config, num_slots, num_pages, block_size,
+    dtype, device, draft_layers, state_dtype) -> PagedState`, see `rackserve.models.new_state`), its
+    model class (`model_class(config)`, what memory estimates build on the meta device), for a family
+    whose checkpoints ship no jinja chat template its own chat encoding (`chat(messages, tools=…,
+    thinking=…, reasoning_effort=…, response_format=…) -> prompt text`, BOS included), and how its
+    replies mark reasoning and tool calls (`reply`, for reply parsing)."""
 
     model_type: str
     config_from_dict: Callable[[dict], ModelSpec]
     load: Callable[..., ServingModel]
+    new_state: Callable[..., PagedState]
     model_class: type | None = None
     chat: Callable[..., str] | None = None
     reply: ReplyFormat | None = None

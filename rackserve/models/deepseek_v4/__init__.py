@@ -13,7 +13,7 @@ from rackserve.models.deepseek_v4.state import ModelState, RequestState, StateBl
 from rackserve.models.interface import ModelFamily
 from rackserve.models.reply import DEEPSEEK_V4
 
-register(ModelFamily("deepseek_v4", ModelConfig.from_dict, load_model, DeepseekV4ForCausalLM,
+register(ModelFamily("deepseek_v4", ModelConfig.from_dict, load_model, ModelState, DeepseekV4ForCausalLM,
                      chat=functools.partial(encode_chat, V4), reply=DEEPSEEK_V4))
 
 __all__ = ["CheckpointError", "DeepseekV4ForCausalLM", "ForwardBatch", "ModelConfig", "ModelState", "RequestState",

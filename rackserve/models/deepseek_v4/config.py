@@ -13,8 +13,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-
 from rackserve.config import DTYPES, ConfigError
 
 SLIDING = "sliding_attention"
@@ -254,13 +252,6 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         """Every layer is a MoE layer, the MTP layers' after the main ones: rows of an expert layout."""
         return self.num_hidden_layers + self.num_nextn_predict_layers
-
-    def new_state(self, num_slots: int, num_pages: int, block_size: int, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu", draft_layers: int = 0, state_dtype: str = "auto"):
-        """This model's state memory (`ModelState`; `draft_layers`: the MTP layer's state too)."""
-        from rackserve.models.deepseek_v4.state import ModelState
-
-        return ModelState(self, num_slots, num_pages, block_size, dtype, device, draft_layers, state_dtype)
 
     def check_speculation(self, k: int) -> None:
         """Whether this model can draft `k` tokens with its MTP layer; raise saying what to change if not."""

@@ -8,7 +8,7 @@ class's `published_format`, `kernels.block_scaled.quantize`) in the blocks its g
 (`PUBLISHED_BLOCK`), so it is what `load_model` would hold. A rank of a DEP instance holds the dense
 part (attention, routers, shared experts, embedding, head, MTP's dense part) and its routed expert slots:
 (experts + redundant slots) / ranks of each MoE layer, MTP layers included. State figures are the
-runtime's own state (`ModelSpec.new_state`) on the meta device (bf16 activations).
+runtime's own state (`rackserve.models.new_state`) on the meta device (bf16 activations).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from rackserve.config import STATE_DTYPES, EngineConfig
 from rackserve.kernels.block_scaled import quantize
-from rackserve.models import family
+from rackserve.models import family, new_state
 from rackserve.models.deepseek_v4.config import QuantConfig
 from rackserve.models.deepseek_v4.loader import build_model
 from rackserve.models.deepseek_v4.published import PUBLISHED_EXPERTS
@@ -114,7 +114,7 @@ def state_bytes(config, state_dtype: str, dtype: torch.dtype = torch.bfloat16) -
     """What the runtime's state takes per request for `config` held as `state_dtype`, in pages of the
     engine's default block size."""
     block = EngineConfig().resolve(config).block_size
-    probe = config.new_state(1, 1, block, dtype, "meta", state_dtype=state_dtype)
+    probe = new_state(config, 1, 1, block, dtype, "meta", state_dtype=state_dtype)
     return StateBytes(probe.slot_bytes, probe.page_bytes, block)
 
 

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-
 from rackserve.config import DTYPES, ConfigError
 from rackserve.kernels.routing import SCORING
 from rackserve.models.deepseek_v4.config import TOPK_MOE, QuantConfig, RopeConfig, parse_rope
@@ -225,15 +223,6 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         """The main layers' MoE (the draft stages are not served yet)."""
         return self.num_hidden_layers
-
-    def new_state(self, num_slots: int, num_pages: int, block_size: int, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu", draft_layers: int = 0, state_dtype: str = "auto"):
-        from rackserve.models.deepseek_v41.state import ModelState
-
-        if draft_layers:
-            raise ValueError("DeepSeek-V4.1 drafts with its DSpark stages, which rackserve does not run yet: "
-                             "build its state without draft layers")
-        return ModelState(self, num_slots, num_pages, block_size, dtype, device, state_dtype)
 
     def check_speculation(self, k: int) -> None:
         raise ConfigError(f"speculative_tokens={k}: DeepSeek-V4.1 drafts with its DSpark stages (`mtp.*`), which "

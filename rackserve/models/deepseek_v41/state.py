@@ -33,7 +33,10 @@ class ModelState(LayeredState):
     every compress ratio); `state_dtype` as `EngineConfig.state_dtype`."""
 
     def __init__(self, config, num_slots: int, num_pages: int, block_size: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", state_dtype: str = "auto"):
+                 device: torch.device | str = "cpu", draft_layers: int = 0, state_dtype: str = "auto"):
+        if draft_layers:
+            raise ValueError("DeepSeek-V4.1 drafts with its DSpark stages, which rackserve does not run yet: "
+                             "build its state without draft layers")
         if block_size <= 0 or block_size % config.min_block_size:
             raise ValueError(f"block_size={block_size} must be a positive multiple of {config.min_block_size} "
                              f"({config.block_rule})")

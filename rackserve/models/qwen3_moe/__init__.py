@@ -11,6 +11,6 @@ from rackserve.models.qwen3_moe.model import Qwen3MoeForCausalLM
 from rackserve.models.qwen3_moe.state import KVCache
 from rackserve.models.reply import QWEN3
 
-register(ModelFamily("qwen3_moe", ModelConfig.from_dict, load_model, reply=QWEN3))
+register(ModelFamily("qwen3_moe", ModelConfig.from_dict, load_model, KVCache, reply=QWEN3))
 
 __all__ = ["CheckpointError", "ForwardBatch", "KVCache", "ModelConfig", "Qwen3MoeForCausalLM", "load_model"]

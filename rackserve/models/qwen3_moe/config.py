@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-import torch
-
 from rackserve.config import DTYPES, ConfigError
 
 _DEFAULT_ROPE_THETA = 10000.0  # transformers' default when a config gives none
@@ -110,15 +108,6 @@ class ModelConfig:
     def check_speculation(self, k: int) -> None:
         raise ConfigError(f"speculative_tokens={k}: qwen3_moe checkpoints have no draft model (no MTP layers); "
                           "set speculative_tokens=0")
-
-    def new_state(self, num_slots: int, num_pages: int, block_size: int, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu", draft_layers: int = 0, state_dtype: str = "auto"):
-        """The paged KV cache (`KVCache`) of `num_pages` blocks of `block_size` tokens."""
-        from rackserve.models.qwen3_moe.state import KVCache
-
-        if draft_layers:
-            raise ConfigError(f"draft_layers={draft_layers}: qwen3_moe has no draft model; set speculative_tokens=0")
-        return KVCache(self, num_slots, num_pages, block_size, dtype, device, state_dtype)
 
     # ---- reading config.json -------------------------------------------------------------
     @classmethod

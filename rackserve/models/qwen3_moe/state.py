@@ -22,7 +22,10 @@ class KVCache(PagedState):
     uses_pages = True
 
     def __init__(self, config: ModelConfig, num_slots: int, num_pages: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", state_dtype: str = "auto"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", draft_layers: int = 0,
+                 state_dtype: str = "auto"):
+        if draft_layers:
+            raise ConfigError(f"draft_layers={draft_layers}: qwen3_moe has no draft model; set speculative_tokens=0")
         if state_dtype != "auto":
             raise ConfigError(f"state_dtype={state_dtype!r}: the qwen3_moe KV cache is held in the model dtype only; "
                               "set state_dtype='auto'")
