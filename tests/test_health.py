@@ -3,7 +3,8 @@ and the P/D failure rates over the recent window, counters restarting with a gan
 
 from __future__ import annotations
 
-from rackserve.serve.health import WINDOW_S, TransferCounts, TransferWindow, status
+from rackserve.serve.health import TransferCounts, TransferWindow, status
+from rackserve.timeouts import TIMEOUTS
 
 RATES_OK = {"push_failure_rate": 0.0, "recompute_rate": 0.0}
 
@@ -30,9 +31,10 @@ def test_failure_rates_cover_the_window_and_survive_counters_restarting():
     assert rates == {"push_failure_rate": 0.1, "recompute_rate": 0.1}
     assert status({"d": "ok"}, ["d"], 1, 1, rates)[0] == "degraded"
     # a minute later with no failures since, the failures have left the window
-    window.add(TransferCounts(pushed=300, push_failures=10, reserved=310, recomputed=10), now=10.0 + WINDOW_S)
-    window.add(TransferCounts(pushed=320, push_failures=10, reserved=330, recomputed=10), now=20.0 + WINDOW_S)
+    window_s = TIMEOUTS.health_window_s
+    window.add(TransferCounts(pushed=300, push_failures=10, reserved=310, recomputed=10), now=10.0 + window_s)
+    window.add(TransferCounts(pushed=320, push_failures=10, reserved=330, recomputed=10), now=20.0 + window_s)
     assert window.rates() == RATES_OK
     # a gang restarted: its counters began again, and the window with them
-    window.add(TransferCounts(pushed=5, reserved=5), now=25.0 + WINDOW_S)
+    window.add(TransferCounts(pushed=5, reserved=5), now=25.0 + window_s)
     assert window.rates() == RATES_OK

@@ -4,6 +4,8 @@ logical GPUs, each tray a node with its rack/tray labels."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import ray
 from helpers import GPUS_PER_TRAY, RACKS, TRAYS
@@ -30,6 +32,7 @@ from rackserve.placement.ray_groups import (
     topology_from_ray,
     wait_ready,
 )
+from rackserve.timeouts import TIMEOUTS
 
 
 @ray.remote
@@ -91,7 +94,8 @@ def test_an_unplaceable_gang_gives_up_within_its_bound_saying_what_it_waits_for(
     from rackserve.cluster.faults import UnplacedError
     from rackserve.cluster.instance import Instance
 
-    monkeypatch.setattr(gang_supervisor, "START_S", 2.0)  # the first start's bound on placement
+    # the first start's bound on placement
+    monkeypatch.setattr(gang_supervisor, "TIMEOUTS", replace(TIMEOUTS, gang_start_s=2.0))
     elsewhere = Topology((Rack("rack9", (Tray("tray0", 2),)),))  # no node has these labels
     p = plan(elsewhere, PlacementSpec((InstanceGroup("prefill", 1, 1),)))
     groups = placement_groups(p, name_prefix="test")

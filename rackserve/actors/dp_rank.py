@@ -5,7 +5,7 @@ none and its MoE layers send every token to the expert ranks. Requests come in t
 outputs (`RequestOutput`s) go out through `poll_all`, which each consumer's output pump for this
 rank long-polls: a consumer (an `InstanceClient`: the instance's owner, or one ingress replica)
 gets the outputs of the requests it submitted, and only those. A consumer that stops polling for
-`CONSUMER_TIMEOUT_S` (its process died) has its requests aborted, so their state is freed and
+`TIMEOUTS.consumer_silent_s` (its process died) has its requests aborted, so their state is freed and
 nobody's outputs pile up. Between steps the rank publishes its `load()` for routers.
 
 The engine is not thread-safe, so actor threads never touch it: they put an `AddRequest`,
@@ -25,10 +25,10 @@ from typing import Any
 from rackserve.actors.gang_member import GangMember, GangSpec
 from rackserve.engine import Engine, RequestOutput, SamplingParams
 from rackserve.models.tokenizer import Tokenizer
+from rackserve.timeouts import TIMEOUTS
 from rackserve.transfer.kv_agent import KVAgent, KVReservation, RemoteRegion, TransferError
 
 log = logging.getLogger(__name__)
-CONSUMER_TIMEOUT_S = 30.0  # a consumer silent this long is gone: its requests are aborted
 
 
 # ---- the inbox: what actor threads hand the step loop (the engine is not thread-safe) ---------------
@@ -204,7 +204,7 @@ class DPRank(GangMember):
     def _abort_orphans(self) -> None:
         """Abort the requests of consumers that stopped polling (call under `_lock`)."""
         now = time.monotonic()
-        gone = {c for c, at in self._polled.items() if now - at > CONSUMER_TIMEOUT_S}
+        gone = {c for c, at in self._polled.items() if now - at > TIMEOUTS.consumer_silent_s}
         for request_id in [r for r, c in self._consumer.items() if c in gone]:
             self._inbox.append(AbortRequest(request_id))
             self._drop(request_id)

@@ -1,7 +1,7 @@
 """`KVStore`: a host-memory prefix cache actor (one per tray or node), a thin actor over `PrefixStore`.
 
 A background thread drives the store's NIXL agent (PUTs arriving, pinned reads released), polling
-every millisecond while there is traffic and backing off to `IDLE_POLL_S` when there is none, so an
+every millisecond while there is traffic and backing off to `TIMEOUTS.store_idle_poll_s` when there is none, so an
 idle store costs next to no CPU.
 """
 
@@ -17,9 +17,8 @@ import torch
 from rackserve.config import EngineConfig
 from rackserve.engine.prefix_store import PrefixStore
 from rackserve.models import read_config, resolve
+from rackserve.timeouts import TIMEOUTS
 from rackserve.transfer.kv_agent import KVAgent
-
-BUSY_POLL_S, IDLE_POLL_S, BUSY_FOR_S = 0.001, 0.02, 1.0
 
 
 class KVStore:
@@ -61,7 +60,7 @@ class KVStore:
         """(cached tokens, wire region to READ) for the longest cached prefix, or None."""
         with self._lock:
             hit = self.store.lookup(token_ids)
-            self._busy_until = time.monotonic() + BUSY_FOR_S
+            self._busy_until = time.monotonic() + TIMEOUTS.store_busy_for_s
         return (hit[0], hit[1].to_wire()) if hit else None
 
     def stats(self) -> dict:
@@ -76,5 +75,6 @@ class KVStore:
                 before = self.store.stats.puts
                 self.store.poll()
                 if self.store.stats.puts != before or self.store.stats.pinned:
-                    self._busy_until = time.monotonic() + BUSY_FOR_S
-            time.sleep(BUSY_POLL_S if time.monotonic() < self._busy_until else IDLE_POLL_S)
+                    self._busy_until = time.monotonic() + TIMEOUTS.store_busy_for_s
+            busy = time.monotonic() < self._busy_until
+            time.sleep(TIMEOUTS.store_busy_poll_s if busy else TIMEOUTS.store_idle_poll_s)

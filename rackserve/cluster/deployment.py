@@ -7,8 +7,8 @@
 
 The deployment *owns* the data plane: it creates the instances and KV stores, introduces their NIXL
 agents, restarts a failed gang (once, whoever finds it: a client, or its own watcher, which looks
-every `WATCH_S`) and rewires it (the agents that knew the dead ranks forget them), replaces a dead
-KV store by an empty one, and gathers the ranks' load reports every `LOAD_PERIOD_S`. Requests go
+every `TIMEOUTS.watch_s`) and rewires it (the agents that knew the dead ranks forget them), replaces a dead
+KV store by an empty one, and gathers the ranks' load reports every `TIMEOUTS.load_period_s`. Requests go
 through a `DeploymentClient` (routing, the P/D path, streaming, replay: see
 `rackserve.cluster.deployment_client`): the deployment keeps one for its own Python API,
 and any other process (an ingress replica) can make its own from `view()`, `members_of`,
@@ -35,7 +35,6 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from rackserve.actors.kv_store import KVStore
 from rackserve.cluster.deployment_client import DeploymentClient
 from rackserve.cluster.faults import GANG_ERRORS, InstanceError, UnplacedError, member_name
-from rackserve.cluster.gang_supervisor import START_S
 from rackserve.cluster.instance import Instance
 from rackserve.cluster.request_router import RankKey
 from rackserve.config import ConfigError, EngineConfig
@@ -46,12 +45,9 @@ from rackserve.placement import InstanceGroup, PlacementError, TopologyError
 from rackserve.placement import plan as plan_instances
 from rackserve.placement.planner import Plan
 from rackserve.placement.ray_groups import alive_trays, kv_store_options, live_topology, placement_group_of
+from rackserve.timeouts import TIMEOUTS
 
 log = logging.getLogger(__name__)
-LOAD_PERIOD_S = 0.2  # how often the owner gathers the ranks' load reports
-LOAD_STALE_S = 3.0  # a rank whose load report is this old is not routed to (its node may be gone)
-WATCH_S = 1.0  # how often the owner looks for dead KV stores and failed gangs (to replace them)
-STORE_PING_S = 5.0  # a store that answers no ping this long is busy, not dead: it is left alone
 
 
 # EngineConfig fields that fix the layout of the state bytes moved between ranks and stores
@@ -252,7 +248,7 @@ class Deployment:
             for k, store in enumerate(self.stores):
                 if k not in self.dead_stores:
                     try:
-                        ray.get(store.ping.remote(), timeout=STORE_PING_S)
+                        ray.get(store.ping.remote(), timeout=TIMEOUTS.store_ping_s)
                     except ray.exceptions.RayActorError:
                         self.dead_stores.add(k)
                     except ray.exceptions.GetTimeoutError:
@@ -266,7 +262,7 @@ class Deployment:
                 self.stores[k] = self._new_store(k, self._store_options[k])
                 gone = self._store_agents.pop(k, None)
                 self.dead_stores.discard(k)
-                self._refresh_store_agents(timeout=START_S)
+                self._refresh_store_agents(timeout=TIMEOUTS.gang_start_s)
                 if k not in self._store_agents:  # the replacement did not start either: try again later
                     continue
                 self.stores_replaced += 1
@@ -327,8 +323,8 @@ class Deployment:
         return self._instance(name).gang_failed(name, generation, why)
 
     def loads(self) -> dict[RankKey, dict]:
-        """The DP ranks' latest load reports, gathered every `LOAD_PERIOD_S`, each with its gang's
-        `generation`; a rank of a gang restarting or down, or silent for `LOAD_STALE_S`, has none (routers
+        """The DP ranks' latest load reports, gathered every `TIMEOUTS.load_period_s`, each with its gang's
+        `generation`; a rank of a gang restarting or down, or silent for `TIMEOUTS.load_stale_s`, has none (routers
         send it nothing while another can take it)."""
         return self._loads
 
@@ -348,10 +344,10 @@ class Deployment:
                         seen[(name, rank)] = now
                     except ray.exceptions.RayError:  # a failed gang: its clients or the watcher restart it
                         continue
-                elif (name, rank) in self._loads and now - seen.get((name, rank), now) < LOAD_STALE_S:
+                elif (name, rank) in self._loads and now - seen.get((name, rank), now) < TIMEOUTS.load_stale_s:
                     loads[(name, rank)] = self._loads[(name, rank)]  # slow to answer this time
             self._loads = loads
-            time.sleep(LOAD_PERIOD_S)
+            time.sleep(TIMEOUTS.load_period_s)
 
     @property
     def closed(self) -> bool:
@@ -359,15 +355,15 @@ class Deployment:
         return self._closed
 
     def _watch(self) -> None:
-        """Every `WATCH_S`: replace dead KV stores, and restart the gangs found failed (at once: an idle
+        """Every `TIMEOUTS.watch_s`: replace dead KV stores, and restart the gangs found failed (at once: an idle
         instance's failure would otherwise wait for its next request)."""
         while not self._closed:
-            time.sleep(WATCH_S)
+            time.sleep(TIMEOUTS.watch_s)
             try:
                 self.replace_dead_stores()
                 self.restart_failed_gangs()
             except Exception:  # noqa: BLE001 - e.g. a rank restarting meanwhile (its restart rewires it): again later
-                log.exception("mending the deployment failed; trying again in %.0f s", WATCH_S)
+                log.exception("mending the deployment failed; trying again in %.0f s", TIMEOUTS.watch_s)
 
     def restart_failed_gangs(self) -> list[str]:
         """Restart every gang with a member that died or whose step loop failed (a peer lost), and every
@@ -380,7 +376,7 @@ class Deployment:
                 continue
             generation, members = inst.members_of()
             refs = [m.ping.remote() for m in members]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STORE_PING_S)
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TIMEOUTS.store_ping_s)
             for i, ref in enumerate(refs):
                 try:
                     error = ray.get(ref)["error"] if ref in ready else None

@@ -6,7 +6,7 @@ and KV stores and keeps them alive; a client, one per process that takes request
 
 1. `RequestRouter` picks the decode rank (session affinity, else the least state load) and the prefill rank
    (affinity, else the fewest queued prompt tokens), from the loads the owner gathers from the ranks
-   (refreshed every `LOAD_REFRESH_S` by a thread of this client); while no prefill rank reports (all
+   (refreshed every `TIMEOUTS.load_refresh_s` by a thread of this client); while no prefill rank reports (all
    restarting, down or lost), the decode rank is given the whole request and prefills it itself;
 2. the decode rank reserves room for the request's state; the KV store that decode rank writes to is
    asked for the longest cached prefix; the prefill rank reads that prefix, prefills the rest,
@@ -22,7 +22,7 @@ gang is up), and its stream goes on from there; the caller sees a pause, not an 
 seeded request's output is the one an undisturbed run gives (the resumed tokens are prefilled
 instead of decoded, which changes only the floats' summation order), and so is its text: the replay's
 rank holds back what the failed one held (a character's first bytes, the start of a possible stop
-string) and sends it when that would have. A request that cannot be replayed within `REPLAY_S` of its
+string) and sends it when that would have. A request that cannot be replayed within `TIMEOUTS.replay_s` of its
 failure ends with an `InstanceError` saying so. What the client holds per request lives only while the request runs.
 """
 
@@ -44,11 +44,7 @@ from rackserve.cluster.request_router import RankKey, RequestRouter
 from rackserve.engine import Completion, RequestOutput, SamplingParams
 from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.models.tokenizer import Tokenizer
-
-LOAD_REFRESH_S = 0.25  # how often a client takes the ranks' reported loads from the owner
-REPLAY_S = 60.0  # how long a request whose decode gang failed is tried again before it ends with an error
-REPLAY_RETRY_S = 1.0  # between two attempts to replay a request
-STORE_RETRY_S = 1.0  # a KV store found dead is asked for the owner's replacement after this long
+from rackserve.timeouts import TIMEOUTS
 
 
 class DeploymentOwner(GangOwner, Protocol):
@@ -130,7 +126,7 @@ class DeploymentClient:
 
     def _load_loop(self) -> None:
         while not self._closed:
-            time.sleep(LOAD_REFRESH_S)
+            time.sleep(TIMEOUTS.load_refresh_s)
             try:
                 self._refresh_loads()
             except Exception:  # noqa: BLE001 - an owner briefly away: route on the last reports meanwhile
@@ -139,9 +135,9 @@ class DeploymentClient:
     # ---- KV stores -----------------------------------------------------------------------------------
     def _lookup(self, decode_at: RankKey, ids: list[int]):
         """The longest cached prefix of `ids` in the KV store `decode_at` writes to, if any. A store
-        found dead is skipped for `STORE_RETRY_S`, then its owner's replacement is taken."""
+        found dead is skipped for `TIMEOUTS.store_retry_s`, then its owner's replacement is taken."""
         k = self.rank_store.get(decode_at)
-        if k is not None and k in self.dead_stores and time.monotonic() - self.dead_stores[k] > STORE_RETRY_S:
+        if k is not None and k in self.dead_stores and time.monotonic() - self.dead_stores[k] > TIMEOUTS.store_retry_s:
             view = self.owner.view()
             self.stores, self.rank_store = view["stores"], view["rank_store"]
             del self.dead_stores[k]
@@ -209,7 +205,7 @@ class DeploymentClient:
     def _replay(self, route: _Route, error: InstanceError) -> list[RequestOutput]:
         """Submit `route`'s request again after its decode gang failed with `error`: its prompt, with the
         tokens each unfinished choice streamed so far resumed (`Engine.add_request`: it goes on as if it
-        had never stopped, its seeded draws, penalties and min_tokens included). Tries for `REPLAY_S`,
+        had never stopped, its seeded draws, penalties and min_tokens included). Tries for `TIMEOUTS.replay_s`,
         then raises an `InstanceError` saying so. A choice that had nothing left to generate gets its
         last output instead: those are returned (the last of them finishes the request when no choice
         is left to replay)."""
@@ -227,18 +223,18 @@ class DeploymentClient:
             return ended
         route.replays += 1  # a new engine id
         self.replayed += 1
-        deadline = time.monotonic() + REPLAY_S
+        deadline = time.monotonic() + TIMEOUTS.replay_s
         while True:
             try:
                 self._place(route, resumed)
                 return ended
             except InstanceError as e:
-                if time.monotonic() + REPLAY_RETRY_S > deadline or self._closed:
+                if time.monotonic() + TIMEOUTS.replay_retry_s > deadline or self._closed:
                     streamed = sum(len(t) for t in resumed.values())
                     raise InstanceError(f"{error}; replaying it (prompt + the {streamed} tokens "
-                                        f"streamed) failed for {REPLAY_S:.0f} s: {e}") from None
+                                        f"streamed) failed for {TIMEOUTS.replay_s:.0f} s: {e}") from None
                 route.replays += 1
-                time.sleep(REPLAY_RETRY_S)
+                time.sleep(TIMEOUTS.replay_retry_s)
 
     def _held_text(self, route: _Route, index: int) -> str:
         """Text of the tokens choice `index` streamed so far that was not sent yet (held back for a stop string

@@ -13,7 +13,8 @@ from typing import TypeVar
 
 import ray
 
-PING_TIMEOUT_S = 5.0  # a member that does not answer a ping this long after a failure counts as stalled
+from rackserve.timeouts import TIMEOUTS
+
 # what a call on a member raises when the member died or its gang failed (`GangMember.error`)
 GANG_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
 
@@ -35,7 +36,7 @@ def member_name(i: int, dep: int) -> str:
     return f"DP rank {i}" if i < dep else f"expert rank {i}"
 
 
-def diagnose(members: list, dep: int, timeout: float = PING_TIMEOUT_S) -> str | None:
+def diagnose(members: list, dep: int, timeout: float = TIMEOUTS.diagnose_ping_s) -> str | None:
     """Ping every member of a gang (`dep` DP ranks first): the members at fault ("DP rank 1 died;
     expert rank 3 stopped answering"), else the first error a member reports (its step loop's,
     naming the peer it lost), else None: the gang is well. Waits up to `timeout` s."""

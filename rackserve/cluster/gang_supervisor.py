@@ -11,9 +11,9 @@ says why) until a later restart succeeds.
 Placement: in a placement group, a gang starts only once the group holds every bundle. A group that
 lost a node (its bundles there are label-pinned to that tray, so Ray re-places them only when a node
 of that tray joins) is re-planned by the owner's `replace_placement` onto free GPUs, if it gave one;
-otherwise, or if that finds no room, the start gives up after `PLACE_S` with an `UnplacedError`
+otherwise, or if that finds no room, the start gives up after `TIMEOUTS.gang_place_s` with an `UnplacedError`
 naming what it waits for, and the owner's watcher tries again. Members that do not all run within
-`START_S` of their creation end the start the same way: a start never blocks without a bound.
+`TIMEOUTS.gang_start_s` of their creation end the start the same way: a start never blocks without a bound.
 """
 
 from __future__ import annotations
@@ -33,11 +33,7 @@ from rackserve.actors.gang_member import GangSpec
 from rackserve.cluster.faults import InstanceError, UnplacedError, diagnose, member_name
 from rackserve.collective import RendezvousServer
 from rackserve.placement.ray_groups import lost_node
-
-PLACE_S = 10.0  # how long a start waits for its placement group to hold every bundle
-# how long a start waits for every member's process to run (a worker process starting, importing
-# torch): longer means the node it was placed on is gone, or has no room
-START_S = 60.0
+from rackserve.timeouts import TIMEOUTS
 
 # (rank 0's TCP store, the rendezvous server's address, the gang's secret) -> what every member joins with
 SpecMaker = Callable[[tuple[str, int], tuple[str, int], str], GangSpec]
@@ -167,21 +163,22 @@ class GangSupervisor:
 
     def _place(self) -> None:
         """Return once the gang's placement group (if any) holds every bundle: a group that lost a node
-        is replaced by the owner's re-plan when there is one; else wait up to `PLACE_S`."""
+        is replaced by the owner's re-plan when there is one; else wait up to `TIMEOUTS.gang_place_s`."""
         group = self._placement_group
         if group is None:
             return
         if self._replace_placement is not None and lost_node(group):
             self._placement_group = self._replace_placement()
-        elif not group.wait(place_s := PLACE_S if self.generation else START_S):  # the first: the group is new
+        # the first start's group is new: it gets as long as the members get to start
+        elif not group.wait(place_s := TIMEOUTS.gang_place_s if self.generation else TIMEOUTS.gang_start_s):
             raise UnplacedError(f"{self.label}: its placement group is not placed after {place_s:.0f} s (a node of "
                                 "its trays is gone, or busy); it starts once a node with those labels and room joins")
 
     def _running(self) -> bool:
-        """Whether every member's process runs (it answers a ping) within `START_S`: False as soon as the
+        """Whether every member's process runs (it answers a ping) within `TIMEOUTS.gang_start_s`: False as soon as the
         placement group loses a node meanwhile (members placed there never start)."""
         refs = [m.ping.remote() for m in self.members]
-        deadline = time.monotonic() + START_S
+        deadline = time.monotonic() + TIMEOUTS.gang_start_s
         while True:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
             if len(ready) == len(refs):
@@ -196,8 +193,8 @@ class GangSupervisor:
                 return False
             if time.monotonic() > deadline:
                 late = [member_name(i, self.dep) for i, ref in enumerate(refs) if ref not in ready]
-                raise UnplacedError(f"{self.label}: {', '.join(late)} did not start within {START_S:.0f} s (no node "
-                                    "with room for them?); see `ray status`")
+                raise UnplacedError(f"{self.label}: {', '.join(late)} did not start within "
+                                    f"{TIMEOUTS.gang_start_s:.0f} s (no node with room for them?); see `ray status`")
 
     def _lost(self) -> bool:
         return self._placement_group is not None and lost_node(self._placement_group)

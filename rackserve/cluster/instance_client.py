@@ -37,8 +37,7 @@ import ray
 from rackserve.cluster.faults import GANG_ERRORS, InstanceError, retry_after_restart
 from rackserve.cluster.output_stream import OutputStream
 from rackserve.engine import RequestOutput, SamplingParams
-
-POLL_TIMEOUT_S = 1.0  # an output pump's long-poll: an idle DP rank answers one poll per second
+from rackserve.timeouts import TIMEOUTS
 
 
 class GangOwner(Protocol):
@@ -205,7 +204,7 @@ class InstanceClient:
         client closes."""
         while not self._closed:
             try:
-                ready = ray.get(member.poll_all.remote(POLL_TIMEOUT_S, self.consumer))
+                ready = ray.get(member.poll_all.remote(TIMEOUTS.output_poll_s, self.consumer))
             except ray.exceptions.RayError as e:  # the rank or its gang failed, or it was shut down
                 if not self._closed:
                     self.failed = max(self.failed, generation)

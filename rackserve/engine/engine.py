@@ -26,10 +26,9 @@ from rackserve.engine.speculative import Speculator
 from rackserve.engine.state_cache import StateCache
 from rackserve.models.interface import ServingModel
 from rackserve.models.tokenizer import Tokenizer
+from rackserve.timeouts import TIMEOUTS
 from rackserve.timing import phase
 from rackserve.transfer.transport import KVReservation, KVTransport, RemoteRegion
-
-KV_POLL_S = 0.001  # how long an engine with nothing to run but transfers pending sleeps per step
 
 
 class RequestError(ValueError):
@@ -275,7 +274,7 @@ class Engine:
             if self.kv is not None:  # a request of n choices is pushed where its schedule forks it
                 self._push_prefilled()
             if busy and not loaded:
-                time.sleep(KV_POLL_S)  # nothing to compute until a transfer lands: yield the CPU
+                time.sleep(TIMEOUTS.engine_kv_poll_s)  # nothing to compute until a transfer lands: yield the CPU
             return loaded
         with phase("forward other"):  # what attention, expert and sampling phases leave of the forward
             result = self.runner.execute(out, passes, num_passes, num_drafts)
@@ -306,7 +305,7 @@ class Engine:
         if self.kv is not None:
             self._push_prefilled()
             if started is None and previous is None and self.kv.pending:
-                time.sleep(KV_POLL_S)  # nothing to compute until a transfer lands: yield the CPU
+                time.sleep(TIMEOUTS.engine_kv_poll_s)  # nothing to compute until a transfer lands: yield the CPU
         return outputs
 
     def _fence(self) -> None:

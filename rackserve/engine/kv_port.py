@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 from rackserve.engine.request import Request, TokenLogprobs
 from rackserve.engine.state_cache import CacheHandle, StateCache
+from rackserve.timeouts import TIMEOUTS
 from rackserve.transfer.messages import Freed, Pushed, PushFailed, Put, Release, receive, send
 from rackserve.transfer.pool import RangeAllocator
-from rackserve.transfer.transport import (ALIGN, PUSH_MARGIN_S, KVReservation, KVTransport, RemoteRegion, Transfer,
+from rackserve.transfer.transport import (ALIGN, KVReservation, KVTransport, RemoteRegion, Transfer,
                                           TransferError)
 
 log = logging.getLogger(__name__)
@@ -244,8 +245,9 @@ class KVPort:
         res, handle = req.push_to, req.handle
         nbytes = self.cache.state.blob_nbytes(handle.num_tokens)
         # a size mismatch means a differently configured decode rank; a late start could outlive the range
+        expiring = time.time() > res.expires_at - TIMEOUTS.push_margin_s
         why = (f"the decode rank reserved {res.region.nbytes} bytes for {nbytes}" if nbytes != res.region.nbytes
-               else "its reservation is about to expire" if time.time() > res.expires_at - PUSH_MARGIN_S else None)
+               else "its reservation is about to expire" if expiring else None)
         offset = self.agent.alloc(nbytes) if why is None else None
         if offset is None:
             self._push_failed(req.request_id, res.region.agent, why or "no room in the push pool")

@@ -18,13 +18,13 @@ import time
 from typing import TYPE_CHECKING
 
 from rackserve.gpu_check.report import Setup
+from rackserve.timeouts import TIMEOUTS
 
 if TYPE_CHECKING:  # importing it loads NIXL: the check does when the part runs
     from rackserve.transfer.kv_agent import KVAgent, RemoteRegion
 
 SIZES_MIB = {False: 256, True: 1}  # by `small`
 REPEATS = {False: 5, True: 2}
-TIMEOUT_S = 30.0
 
 
 def push(sender: KVAgent, receiver: KVAgent, region: RemoteRegion, notif: bytes) -> float:
@@ -35,8 +35,9 @@ def push(sender: KVAgent, receiver: KVAgent, region: RemoteRegion, notif: bytes)
     while not (done and got):
         done = done or sender.poll(transfer)
         got += receiver.notifications()
-        if time.perf_counter() - t0 > TIMEOUT_S:
-            raise TimeoutError(f"NIXL write of {region.nbytes} bytes: no completion and notification in {TIMEOUT_S} s")
+        if time.perf_counter() - t0 > TIMEOUTS.check_transfer_s:
+            raise TimeoutError(f"NIXL write of {region.nbytes} bytes: no completion and notification in "
+                               f"{TIMEOUTS.check_transfer_s} s")
     if got != [(sender.name, notif)]:
         raise RuntimeError(f"the receiver got notifications {got}, expected one {notif!r} from {sender.name!r}")
     return time.perf_counter() - t0

@@ -47,12 +47,11 @@ from rackserve.serve.config import ServeConfig
 from rackserve.serve.controller import RemoteDataPlane, data_plane, shutdown_data_planes
 from rackserve.serve.ingress import check_direct_ingress
 from rackserve.serve.metrics import Metrics
+from rackserve.timeouts import TIMEOUTS
 
 logger = logging.getLogger("ray.serve")
-RETRY_AFTER_S = 1
 EXTRA_ONGOING = 64  # Serve admits this many beyond max_inflight, so health and metrics get through
 REPLICA_HEADER = "x-rackserve-replica"  # on generation responses: the ingress replica that answered
-REPORT_S = 0.25  # how often a replica reports its requests in progress to the data plane and learns if it drains
 DRAINING, ENDED = "server_draining", "server_shutdown"  # error codes: refused while draining, ended at its timeout
 ENDED_WHY = ("the server is shutting down and its drain timeout ran out before this request finished; retry it "
              "against another replica or later")
@@ -181,7 +180,7 @@ async def _read_body(request: Request) -> bytes:
 
 
 def _error(e: api.APIError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 or e.code in (DRAINING, ENDED) else None
+    headers = {"Retry-After": str(TIMEOUTS.retry_after_s)} if e.status == 429 or e.code in (DRAINING, ENDED) else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
@@ -224,7 +223,7 @@ class OpenAIServer:
         if self.draining:  # a load balancer takes the replica out before it stops
             return JSONResponse({"status": "draining", "healthy": False, "message": "the server is shutting "
                                  "down: it finishes the requests in progress and takes no new ones"},
-                                status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+                                status_code=503, headers={"Retry-After": str(TIMEOUTS.retry_after_s)})
         report = await self.plane.health.remote()
         return JSONResponse(report, status_code=200 if report["healthy"] else 503)
 
@@ -305,7 +304,7 @@ class OpenAIServer:
                                         "another replica or later", "server_error", code=DRAINING)
             if self.inflight >= self.config.max_inflight:
                 raise api.APIError(429, f"the server has {self.inflight} requests in progress, its limit; retry "
-                                        f"in {RETRY_AFTER_S} s", "rate_limit_error", code="server_busy")
+                                        f"in {TIMEOUTS.retry_after_s} s", "rate_limit_error", code="server_busy")
             self.inflight += 1
         except api.APIError as e:
             self.metrics.requests.labels(endpoint, e.status).inc()
@@ -367,13 +366,14 @@ class OpenAIServer:
         return api.APIError(503, str(e), "server_error", code=ENDED if self.ending else None)
 
     async def _report_loop(self) -> None:
-        """Every `REPORT_S`: report the requests in progress to the data plane (`Controller.report`) and
-        take from its answer whether to drain, and whether to end what runs; off every request's path.
+        """Every `TIMEOUTS.replica_report_s`: report the requests in progress to the data plane
+        (`Controller.report`) and take from its answer whether to drain, and whether to end what runs; off
+        every request's path.
         It runs on the handlers' event loop, where admission checks the flag and counts the request with
         no await between: a report sent while draining counts every request this replica has left to
         finish, and the drain waits for those (`rackserve.serve.drain`)."""
         while True:
-            await asyncio.sleep(REPORT_S)
+            await asyncio.sleep(TIMEOUTS.replica_report_s)
             try:
                 draining, ending = await self.plane.report.remote(self.replica, self.inflight, self.draining)
             except ray.exceptions.RayError:  # the data plane busy or gone (the app is being deleted)

@@ -15,7 +15,7 @@ ingress) attach to the same engines. Its name carries a digest of the settings t
 plane (model, instances, engine fields, stores, placement); a config that changes them gets a new
 data plane, which first shuts down the app's old one (its GPUs are needed). Settings of the ingress
 alone (port, API key, backpressure, replica count) keep it. `shutdown_data_planes` stops an app's data
-planes at once; a data plane whose Serve app has been gone for `ORPHAN_S` stops itself.
+planes at once; a data plane whose Serve app has been gone for `TIMEOUTS.orphan_s` stops itself.
 """
 
 from __future__ import annotations
@@ -37,11 +37,8 @@ from rackserve.placement import RACK_LABEL, TRAY_LABEL, InstanceGroup, Placement
 from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
 from rackserve.serve import health
 from rackserve.serve.config import INGRESS_FIELDS, ServeConfig
+from rackserve.timeouts import TIMEOUTS
 
-HEALTH_TIMEOUT_S = 5.0
-ORPHAN_S = 30.0  # a data plane whose Serve app has been gone this long shuts itself down
-PLACEMENT_TIMEOUT_S = 300.0
-REPORT_STALE_S = 5.0  # an ingress replica silent this long (gone) no longer counts in `Controller.inflight`
 HEAD_NODE = "node:__internal_head__"  # the resource only the head node has (Ray's)
 NAMESPACE = "rackserve"  # the data planes' Ray namespace, whatever namespace an ingress replica runs in
 
@@ -85,7 +82,7 @@ class Controller:
         roles = (InstanceGroup.parse(config.prefill, "prefill"), InstanceGroup.parse(config.decode, "decode"))
         placed = plan(topology, PlacementSpec(roles, kv_stores=config.kv_stores))
         groups = placement_groups(placed, config.bundle_resources)
-        wait_ready(groups, timeout_s=PLACEMENT_TIMEOUT_S)
+        wait_ready(groups, timeout_s=TIMEOUTS.placement_s)
         return placed, groups
 
     # ---- what ingress replicas need -----------------------------------------------------------------------
@@ -118,9 +115,9 @@ class Controller:
                             for p in inst.ping()] for inst in self.deployment.prefill + self.deployment.decode}
 
     def store_pids(self) -> list[int | None]:
-        """Every KV store's process id (None: dead, or no answer within HEALTH_TIMEOUT_S)."""
+        """Every KV store's process id (None: dead, or no answer within TIMEOUTS.health_ping_s)."""
         refs = [store.ping.remote() for store in self.deployment.stores]
-        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=TIMEOUTS.health_ping_s)
         pids = []
         for ref in refs:
             try:
@@ -133,7 +130,7 @@ class Controller:
         """{"status": "healthy" | "degraded" | "unhealthy" (see `rackserve.serve.health`), "healthy": not
         unhealthy, "reasons": what is wrong, "instances": {name: "ok" | "restarting" | why it is down},
         "kv_stores": live / total, "kv_stores_replaced", and the P/D failure rates of the last minute}.
-        Every rank of an instance not restarting answers a ping within HEALTH_TIMEOUT_S."""
+        Every rank of an instance not restarting answers a ping within TIMEOUTS.health_ping_s."""
         dep = self.deployment
         instances = {}
         for inst in dep.prefill + dep.decode:
@@ -143,7 +140,7 @@ class Controller:
             if inst.down:
                 instances[inst.name] = f"down: {inst.down}"
                 continue
-            why = diagnose(inst.members, inst.dep, HEALTH_TIMEOUT_S)
+            why = diagnose(inst.members, inst.dep, TIMEOUTS.health_ping_s)
             instances[inst.name] = f"{why}; the gang restarts within seconds" if why else "ok"
         pids = self.store_pids()
         live = sum(pid is not None for pid in pids)
@@ -153,13 +150,13 @@ class Controller:
                 "kv_stores": f"{live}/{len(pids)}", "kv_stores_replaced": dep.stores_replaced, **rates}
 
     def _sample(self) -> None:
-        """Feed the transfer counters to the health window every `health.SAMPLE_S`."""
+        """Feed the transfer counters to the health window every `TIMEOUTS.health_sample_s`."""
         while not self.deployment.closed:
             try:
                 self.window.add(health.TransferCounts.of(self.deployment.stats()))
             except Exception:  # noqa: BLE001 - a gang restarting: the next sample counts
                 pass
-            time.sleep(health.SAMPLE_S)
+            time.sleep(TIMEOUTS.health_sample_s)
 
     def stats(self) -> dict:
         """`Deployment.stats()`, with the recovery figures: the window's failure rates, KV stores dead and
@@ -182,18 +179,18 @@ class Controller:
     def report(self, replica: str, inflight: int, draining: bool) -> tuple[bool, bool]:
         """Ingress replica `replica` has `inflight` requests in progress, counted while it did (`draining`)
         or did not yet refuse new ones; what it must do: (drain, end its requests). Every replica calls
-        it every `app.REPORT_S`, off the requests' path."""
+        it every `TIMEOUTS.replica_report_s`, off the requests' path."""
         self.reports[replica] = (inflight, draining, time.monotonic())
         return self.draining, self.ending
 
     def inflight(self) -> dict:
         """{"requests": in progress on the ingress replicas, "replicas": how many reported, "admitting":
         how many of those still took new requests when they counted} over the replicas heard from in the
-        last `REPORT_STALE_S` (one gone stops counting then). The replicas count, not the ranks: a
+        last `TIMEOUTS.replica_stale_s` (one gone stops counting then). The replicas count, not the ranks: a
         request is theirs from admission until its last byte is written, while a rank sees it only from
         its reservation until its last token; a request being routed, prefilled or handed over, or
         whose last tokens are still on their way to the client, is invisible to the ranks' loads."""
-        fresh = [r for r in list(self.reports.values()) if time.monotonic() - r[2] < REPORT_STALE_S]
+        fresh = [r for r in list(self.reports.values()) if time.monotonic() - r[2] < TIMEOUTS.replica_stale_s]
         return {"requests": sum(r[0] for r in fresh), "replicas": len(fresh),
                 "admitting": sum(not r[1] for r in fresh)}
 
@@ -202,14 +199,14 @@ class Controller:
         remove(self.deployment.placement_groups)  # the groups now: a re-planned instance has a new one
 
     def _watch(self, app: str) -> None:
-        """Shut down, and end this actor, once Serve has had no app `app` for `ORPHAN_S` (deleted, or
+        """Shut down, and end this actor, once Serve has had no app `app` for `TIMEOUTS.orphan_s` (deleted, or
         `serve shutdown`): a detached data plane must not hold its GPUs for an app nobody serves."""
         from ray import serve
         from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
         gone_since = None
         while True:
-            time.sleep(ORPHAN_S / 3)
+            time.sleep(TIMEOUTS.orphan_s / 3)
             try:
                 ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
             except ValueError:  # no Serve at all (`serve shutdown`): no app either
@@ -220,7 +217,7 @@ class Controller:
                 except Exception:  # noqa: BLE001 - Serve's controller away for a moment: no verdict
                     continue
             gone_since = None if present else (gone_since or time.monotonic())
-            if gone_since is not None and time.monotonic() - gone_since >= ORPHAN_S:
+            if gone_since is not None and time.monotonic() - gone_since >= TIMEOUTS.orphan_s:
                 self.shutdown()
                 ray.kill(ray.get_runtime_context().current_actor)  # detached: nothing else ends it
 

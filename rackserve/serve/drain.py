@@ -3,7 +3,7 @@
 `stop(app, config)`:
 
 1. tells the app's data plane to drain (`Controller.drain`); every ingress replica learns it at its
-   next report (within `app.REPORT_S`) and from then on answers new generation requests, and
+   next report (within `TIMEOUTS.replica_report_s`) and from then on answers new generation requests, and
    /health, 503 + Retry-After, while the requests it has in progress (streams included) go on;
 2. waits until no replica has a request in progress (as the replicas count them, see
    `Controller.inflight`), up to `config.drain_timeout_s` or until `hurry()`;
@@ -25,10 +25,7 @@ from ray import serve
 from rackserve.serve.app import delete
 from rackserve.serve.config import ServeConfig
 from rackserve.serve.controller import NAMESPACE, data_plane_name
-
-POLL_S = 0.25  # how often the drain reads the replicas' counts
-CALL_TIMEOUT_S = 30.0  # a data plane that does not answer this long is not waited for: the app is deleted
-END_WAIT_S = 10.0  # how long the replicas get to end their requests once told to
+from rackserve.timeouts import TIMEOUTS
 
 
 @dataclass(frozen=True)
@@ -53,21 +50,21 @@ def stop(app: str, config: ServeConfig, timeout_s: float | None = None, hurry: C
     start, requests, ended, hurried = time.monotonic(), 0, 0, False
     try:
         plane = ray.get_actor(data_plane_name(config, app), namespace=NAMESPACE)
-        ray.get(plane.drain.remote(), timeout=CALL_TIMEOUT_S)
+        ray.get(plane.drain.remote(), timeout=TIMEOUTS.drain_call_s)
         counts = _settled(plane, hurry)
         requests = counts["requests"]
         say(f"draining {requests} request(s) on {counts['replicas']} ingress replica(s) for up to {timeout_s:g} s; "
             "new requests get 503")
         while counts["requests"] and time.monotonic() - start < timeout_s and not hurry():
-            time.sleep(POLL_S)
+            time.sleep(TIMEOUTS.drain_poll_s)
             counts = _settled(plane, hurry)
         hurried = hurry()
         if counts["requests"]:
             ended = counts["requests"]
-            ray.get(plane.end_requests.remote(), timeout=CALL_TIMEOUT_S)
-            deadline = time.monotonic() + END_WAIT_S
+            ray.get(plane.end_requests.remote(), timeout=TIMEOUTS.drain_call_s)
+            deadline = time.monotonic() + TIMEOUTS.drain_end_wait_s
             while _settled(plane, hurry)["requests"] and time.monotonic() < deadline:
-                time.sleep(POLL_S)
+                time.sleep(TIMEOUTS.drain_poll_s)
             why = "now (a second signal)" if hurried else f"at the {timeout_s:g} s drain timeout"
             say(f"ended {ended} request(s) still running {why}")
         else:
@@ -85,7 +82,7 @@ def stop(app: str, config: ServeConfig, timeout_s: float | None = None, hurry: C
 
 def _settled(plane, hurry: Callable[[], bool]) -> dict:
     """`Controller.inflight` once no replica still admits requests (each counted after it learnt of the
-    drain, or was silent long enough to be gone), or at `hurry()`; polls every `POLL_S` meanwhile."""
-    while (counts := ray.get(plane.inflight.remote(), timeout=CALL_TIMEOUT_S))["admitting"] and not hurry():
-        time.sleep(POLL_S)
+    drain, or was silent long enough to be gone), or at `hurry()`; polls every `TIMEOUTS.drain_poll_s` meanwhile."""
+    while (counts := ray.get(plane.inflight.remote(), timeout=TIMEOUTS.drain_call_s))["admitting"] and not hurry():
+        time.sleep(TIMEOUTS.drain_poll_s)
     return counts

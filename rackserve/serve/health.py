@@ -7,8 +7,8 @@ Status, worst first:
   its replacement is up), or over `RATE_LIMIT` of the recent P/D transfers failing (each failed push is
   a prefill recomputed on a decode rank);
 * "healthy".
-The rates are over the last `WINDOW_S`, from counters the controller samples every `SAMPLE_S`, so a
-fault's traces clear a minute after it is mended.
+The rates are over the last `TIMEOUTS.health_window_s`, from counters the controller samples every
+`TIMEOUTS.health_sample_s`, so a fault's traces clear a minute after it is mended.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-WINDOW_S = 60.0  # the recent past that failure rates cover
-SAMPLE_S = 5.0  # how often the controller samples the transfer counters
+from rackserve.timeouts import TIMEOUTS
+
 RATE_LIMIT = 0.01  # a share of failed pushes (or of reservations recomputed) above this is degraded
 
 
@@ -44,11 +44,11 @@ class TransferCounts:
 
 
 class TransferWindow:
-    """The samples of the last `WINDOW_S`, and the failure rates between the oldest and the newest.
+    """The samples of the last `TIMEOUTS.health_window_s`, and the failure rates between the oldest and the newest.
 
     Counters restart with a gang, so a step back counts as a restart: the window restarts from there."""
 
-    def __init__(self, window_s: float = WINDOW_S):
+    def __init__(self, window_s: float = TIMEOUTS.health_window_s):
         self.window_s = window_s
         self._samples: deque[tuple[float, TransferCounts]] = deque()
 
@@ -81,6 +81,6 @@ def status(instances: dict[str, str], decode: list[str], stores_live: int, store
         return "unhealthy", ["no decode instance is serving", *reasons]
     if stores_live < stores_total:
         reasons.append(f"{stores_total - stores_live} of {stores_total} KV stores down (being replaced)")
-    reasons += [f"{name.replace('_', ' ')} {value:.1%} over the last {WINDOW_S:.0f} s"
+    reasons += [f"{name.replace('_', ' ')} {value:.1%} over the last {TIMEOUTS.health_window_s:.0f} s"
                 for name, value in rates.items() if value > RATE_LIMIT]
     return ("degraded" if reasons else "healthy"), reasons

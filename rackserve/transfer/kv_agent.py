@@ -25,7 +25,6 @@ import torch
 
 from rackserve.transfer.transport import (
     ALIGN,
-    PUSH_MARGIN_S,
     KVReservation,
     PoolAgent,
     RemoteRegion,
@@ -34,7 +33,7 @@ from rackserve.transfer.transport import (
 )
 
 # the transport's values, re-exported: the engine, the actors and the benches import them from here
-__all__ = ["ALIGN", "PUSH_MARGIN_S", "KVAgent", "KVReservation", "RemoteRegion", "Transfer", "TransferError"]
+__all__ = ["ALIGN", "KVAgent", "KVReservation", "RemoteRegion", "Transfer", "TransferError"]
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ import torch
 from rackserve.transfer.pool import RangeAllocator
 
 ALIGN = 256  # bytes; pool ranges start on this boundary (DMA-friendly on GPUs, harmless on hosts)
-PUSH_MARGIN_S = 1.0  # a push starts at least this long before its reservation expires
 
 
 class TransferError(RuntimeError):
@@ -58,7 +57,7 @@ class KVReservation:
     """A decode rank's promise to take one request's pushed state: where to WRITE it, until when.
 
     expires_at: wall-clock seconds (`time.time()`); a prefill rank does not start a WRITE later than
-    `expires_at - PUSH_MARGIN_S`, and the decode rank keeps the range out of use for a while after it
+    `expires_at - TIMEOUTS.push_margin_s`, and the decode rank keeps the range out of use for a while after it
     expires, so a late WRITE can never land in memory given to another request.
     """
 
