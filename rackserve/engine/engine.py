@@ -1,4 +1,5 @@
-"""The engine: one model, its state cache, a scheduler and a runner. A step is three lines."""
+"""The engine: one model, its state cache, a scheduler and a runner. A step reads as it runs:
+schedule, agree (a gang's host sync), run (here, or on the forward thread), update."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import torch
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.engine.forward_thread import ForwardThread
-from rackserve.engine.gang import ExpertBalancer, Gang, sync
+from rackserve.engine.gang import ExpertBalancer, Gang, agree
 from rackserve.engine.grammar import Grammars
 from rackserve.engine.graphs import DecodeGraphs
 from rackserve.engine.kv_port import KVPort
 from rackserve.engine.penalties import TokenHistory, bad_word_ids
 from rackserve.engine.request import Request, RequestOutput
-from rackserve.engine.runner import Runner, StepInFlight, plan_passes
+from rackserve.engine.runner import Runner, StepInFlight, StepPlan
 from rackserve.engine.sampling import SamplingParams
 from rackserve.engine.scheduler import Scheduler
 from rackserve.engine.speculative import Speculator
@@ -87,9 +88,9 @@ class Engine:
             self.runner.lockstep = True
             self.balancer = ExpertBalancer(model.moe_layers, gang, c.eplb_interval, c.eplb_min_gain,
                                            model.draft_moe_layers if self.speculator else [])
-        self.gang_tokens = np.zeros(0, np.int64)  # tokens each gang member ran in the last step
+        self.gang_tokens = np.zeros(0, np.int64)  # tokens each gang member ran in the last step (`agree`)
         self.gang_busy = False  # whether some member waits on a transfer (the gang must keep stepping)
-        self.kv = KVPort(kv, self.cache, c.kv_timeout_s) if kv is not None else None
+        self.kv = KVPort(kv, self.cache, c.kv_timeout_s, c.max_new_kv_loads_per_step) if kv is not None else None
         self._seeds = random.Random(c.seed)
         self._ids = itertools.count()
         self.eos_ids = tuple(model.config.eos_token_ids)
@@ -240,11 +241,11 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, apply: one continuous-batching step.
+        """Schedule, agree, run, update: one continuous-batching step.
 
-        In a gang, a host sync between schedule and run (one all-reduce of a small int vector:
-        tokens per rank, forward passes, MTP draft forwards) makes every rank run the same number
-        of forwards of each kind, dummy ones where it has no work, or all of them skip the step
+        In a gang, a host sync between schedule and run (`agree`: one all-reduce of a small int
+        vector: tokens per rank, forward passes, MTP draft forwards) makes every rank run the same
+        number of forwards of each kind, dummy ones where it has no work, or all of them skip the step
         when no rank has work.
 
         With async scheduling, the step's device work goes to the forward thread and the outputs
@@ -252,106 +253,64 @@ class Engine:
         threads run the MoE exchanges (the expert-parallel group) and the host threads the host sync
         (the host collective): one step apart, each in the same order on every member.
         """
-        if self.balancer is not None and self._in_flight is not None:  # async: count the step in flight
-            with phase("eplb"):  # before this step's host sync, where an expert rank re-places too
-                if self.balancer.due:
-                    self._fence()  # the experts move between that step's forwards and the next one's
-                self.balancer.after_step()
-        loaded = self._load_pushed() if self.kv is not None else []
+        if self._in_flight is not None:  # async: the step in flight counts before this step's host sync
+            self._count_gang_step(fence=True)
+        loaded = self.kv.admit_arrived(self.scheduler) if self.kv is not None else []
         with phase("schedule"):
-            out = self.scheduler.schedule()
-            passes = plan_passes(out, self.cache)
-        num_passes, num_drafts = len(passes), self.runner.draft_forwards(out)
-        busy = (self.kv is not None and self.kv.pending) or self._in_flight is not None
-        if self.gang is not None:
-            with phase("host sync"):
-                agreed = sync(self.gang, out.num_tokens, num_passes, num_drafts, busy)
-                self.gang_tokens, num_passes, num_drafts, self.gang_busy = agreed
-                busy = self.gang_busy
-        if self.forward_thread is not None:
-            return loaded + self._step_async(out, passes, num_passes)
-        if num_passes == 0:
-            if self.kv is not None:  # a request of n choices is pushed where its schedule forks it
-                self._push_prefilled()
-            if busy and not loaded:
-                time.sleep(TIMEOUTS.engine_kv_poll_s)  # nothing to compute until a transfer lands: yield the CPU
-            return loaded
+            plan = self.runner.plan(self.scheduler.schedule(), busy=self._transfers_pending())
+        plan = agree(self.gang, plan)
+        self.gang_tokens, self.gang_busy = plan.gang_tokens, plan.gang_busy
+        ran, outputs = self._run_async(plan) if self.forward_thread is not None else self._run(plan)
+        if self.kv is not None:  # a request of n choices is pushed where its schedule forks it
+            self.kv.push_prefilled(self.scheduler)
+        if not ran and not loaded and plan.busy:
+            time.sleep(TIMEOUTS.engine_kv_poll_s)  # nothing to compute until a transfer lands: yield the CPU
+        return loaded + outputs
+
+    def _transfers_pending(self) -> bool:
+        """Whether this rank must keep stepping with nothing to run: a transfer may still land or
+        finish, or the forward thread has a step."""
+        return (self.kv is not None and self.kv.pending) or self._in_flight is not None
+
+    def _run(self, plan: StepPlan) -> tuple[bool, list[RequestOutput]]:
+        """Run the step's forwards here and apply their tokens: (whether it ran any, the outputs)."""
+        if plan.num_passes == 0:
+            return False, []
         with phase("forward other"):  # what attention, expert and sampling phases leave of the forward
-            result = self.runner.execute(out, passes, num_passes, num_drafts)
+            result = self.runner.execute(plan.out, plan.passes, plan.num_passes, plan.num_drafts)
         self.num_steps += 1
         with phase("update"):
-            outputs = loaded + self.scheduler.update(out, result)
-        if self.kv is not None:
-            self._push_prefilled()
-        if self.balancer is not None:
-            with phase("eplb"):
-                self.balancer.after_step()
-        return outputs
+            outputs = self.scheduler.update(plan.out, result)
+        self._count_gang_step()
+        return True, outputs
 
-    def _step_async(self, out, passes, num_passes: int) -> list[RequestOutput]:
-        """Hand this step's device work to the forward thread, then process the step before it."""
+    def _run_async(self, plan: StepPlan) -> tuple[bool, list[RequestOutput]]:
+        """Hand this step's device work to the forward thread, then apply the step before it: (whether
+        either had device work, the outputs of the one before)."""
         started = None
-        if num_passes:
+        if plan.num_passes:
             follows = self._in_flight is not None
-            started = self.runner.start(out, passes, num_passes, self._in_flight,
+            started = self.runner.start(plan.out, plan.passes, plan.num_passes, self._in_flight,
                                         lambda work: self.forward_thread.submit(work, follows))
             self.num_steps += 1
         previous, self._in_flight = self._in_flight, started
-        outputs = []
-        if previous is not None:
-            result = self.runner.finish(previous)
-            with phase("update"):
-                outputs = self.scheduler.update(previous.out, result)
-        if self.kv is not None:
-            self._push_prefilled()
-            if started is None and previous is None and self.kv.pending:
-                time.sleep(TIMEOUTS.engine_kv_poll_s)  # nothing to compute until a transfer lands: yield the CPU
-        return outputs
+        if previous is None:
+            return started is not None, []
+        result = self.runner.finish(previous)
+        with phase("update"):
+            return True, self.scheduler.update(previous.out, result)
+
+    def _count_gang_step(self, fence: bool = False) -> None:
+        """EPLB: count a gang step with forward passes; `fence`: a re-placement due waits for the forward
+        thread first (the experts move between that step's forwards and the next one's)."""
+        if self.balancer is not None:
+            with phase("eplb"):  # before the next host sync, where an expert rank re-places too
+                self.balancer.after_step(self._fence if fence else None)
 
     def _fence(self) -> None:
         """Wait until the forward thread has run every step handed to it (async scheduling)."""
         if self._in_flight is not None:
             self._in_flight.future.result()
-
-    def _load_pushed(self) -> list[RequestOutput]:
-        """Decode side of P/D: prefill locally what failed to arrive, then admit at most
-        `max_new_kv_loads_per_step` arrived states, each emitting its first token."""
-        for req in self.kv.poll():
-            self.scheduler.add(req)
-        outputs = []
-        for inc in self.kv.arrived()[: self.config.max_new_kv_loads_per_step]:
-            if len(self.scheduler.running) >= self.config.max_num_seqs:
-                break
-            handle = self.cache.allocate()
-            if handle is None:
-                break
-            num_tokens = inc.state_tokens
-            if not self.cache.reserve(handle, num_tokens + 1):
-                self.cache.free(handle)
-                break
-            req = inc.request
-            self.kv.load(inc, handle)
-            self.cache.commit(handle, req.token_ids)  # its full blocks join the local prefix cache
-            if inc.pulled:  # a cached prefix: prefill goes on from there
-                req.num_cached = num_tokens
-                self.scheduler.admit_loaded(req, handle)
-            elif req.fork_at is not None:  # n > 1: pushed before sampling, its choices fork here
-                req.num_cached = inc.first[2]
-                self.scheduler.admit_loaded(req, handle)
-            else:
-                token, logprobs, req.num_cached = inc.first
-                outputs.append(self.scheduler.admit_loaded(req, handle, token, logprobs))
-        return outputs
-
-    def _push_prefilled(self) -> None:
-        """Prefill side of P/D: send the state of every request prefilled this step, free it."""
-        for req in self.scheduler.pushed:
-            self.kv.push(req)
-            self.kv.put(req)
-            self.cache.free(req.handle)
-            req.handle = None
-        self.scheduler.pushed.clear()
-        self.kv.progress()
 
     def load(self) -> dict:
         """What a router weighs (`rackserve.cluster.request_router`): requests held (running, waiting, and state on

@@ -1,6 +1,6 @@
 """What a member of an expert-parallel gang does beside its own work, the same way on every member.
 
-Every step: one host sync (`sync`) so all members run the same sequence of MoE exchanges: the same
+Every step: one host sync (`agree`, through `sync`) so all members run the same sequence of MoE exchanges: the same
 number of forward passes (dummy ones where a DP rank has no work; an expert rank has none of its
 own) and, with speculative decoding, the same number of draft forwards of the MTP layer (dummy ones
 where a DP rank has nothing to draft for); and every `eplb_interval` gang steps one expert
@@ -11,14 +11,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from rackserve.models.moe import RoutedMoE
 from rackserve.placement.eplb import Placement, balancedness, moved_slots, rebalance
+from rackserve.timing import phase
+
+if TYPE_CHECKING:
+    from rackserve.engine.runner import StepPlan
 
 
 class Gang(Protocol):
@@ -37,6 +41,17 @@ class GangStep(NamedTuple):
     num_passes: int  # forward passes every member runs (the most any member needs)
     num_drafts: int  # MTP draft forwards every member runs after them (the most any member needs)
     busy: bool  # some member waits on a transfer
+
+
+def agree(gang: Gang | None, plan: StepPlan) -> StepPlan:
+    """The plan every member of `gang` runs this step (`sync`: the most passes and drafts any member
+    needs, busy if any member is); outside a gang, `plan` itself."""
+    if gang is None:
+        return plan
+    with phase("host sync"):
+        agreed = sync(gang, plan.out.num_tokens, plan.num_passes, plan.num_drafts, plan.busy)
+    return replace(plan, num_passes=agreed.num_passes, num_drafts=agreed.num_drafts, busy=agreed.busy,
+                   gang_tokens=agreed.tokens, gang_busy=agreed.busy)
 
 
 def sync(gang: Gang, num_tokens: int, num_passes: int, num_drafts: int = 0, busy: bool = False) -> GangStep:
@@ -98,11 +113,14 @@ class ExpertBalancer:
         """Whether the next `after_step` re-places experts."""
         return bool(self.interval) and (self.num_steps + 1) % self.interval == 0
 
-    def after_step(self) -> None:
-        """Count one gang step (one with forward passes); re-place when the interval is due."""
+    def after_step(self, fence: Callable[[], None] | None = None) -> None:
+        """Count one gang step (one with forward passes); re-place when the interval is due, after
+        `fence` (async scheduling: until the forward thread has run the forwards handed to it)."""
         due = self.due
         self.num_steps += 1
         if due:
+            if fence is not None:
+                fence()
             for name, layers in self.groups.items():
                 done = rebalance_experts(layers, lambda a: self.gang.allreduce(a, "sum"), self.min_gain)
                 self.moved_slots += done.moved_slots

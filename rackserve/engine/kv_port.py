@@ -23,14 +23,18 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rackserve.engine.request import Request, TokenLogprobs
+from rackserve.engine.request import Request, RequestOutput, TokenLogprobs
 from rackserve.engine.state_cache import CacheHandle, StateCache
 from rackserve.timeouts import TIMEOUTS
 from rackserve.transfer.messages import Freed, Pushed, PushFailed, Put, Release, receive, send
 from rackserve.transfer.pool import RangeAllocator
 from rackserve.transfer.transport import (ALIGN, KVReservation, KVTransport, RemoteRegion, Transfer,
                                           TransferError)
+
+if TYPE_CHECKING:
+    from rackserve.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +102,10 @@ class Outgoing:
 
 
 class KVPort:
-    def __init__(self, agent: KVTransport, cache: StateCache, timeout_s: float):
-        self.agent, self.cache, self.timeout_s = agent, cache, timeout_s
+    def __init__(self, agent: KVTransport, cache: StateCache, timeout_s: float, loads_per_step: int = 1):
+        """`timeout_s`: how long a reservation waits for its push; `loads_per_step`: the most arrived
+        states `admit_arrived` takes in one step."""
+        self.agent, self.cache, self.timeout_s, self.loads_per_step = agent, cache, timeout_s, loads_per_step
         self.incoming: dict[str, Incoming] = {}  # in reservation order
         self.outgoing: list[Outgoing] = []
         self._quarantine: deque[tuple[float, int]] = deque()  # (release time, offset): expired or given-up ranges
@@ -184,6 +190,36 @@ class KVPort:
             self.stats.loaded += 1
         self.stats.bytes_in += inc.nbytes
 
+    def admit_arrived(self, scheduler: Scheduler) -> list[RequestOutput]:
+        """One step's intake: queue to prefill here what failed to arrive, then admit to `scheduler` at
+        most `loads_per_step` arrived states (while it has room), each emitting its first token."""
+        for req in self.poll():
+            scheduler.add(req)
+        outputs = []
+        for inc in self.arrived()[: self.loads_per_step]:
+            if len(scheduler.running) >= scheduler.config.max_num_seqs:
+                break
+            handle = self.cache.allocate()
+            if handle is None:
+                break
+            num_tokens = inc.state_tokens
+            if not self.cache.reserve(handle, num_tokens + 1):
+                self.cache.free(handle)
+                break
+            req = inc.request
+            self.load(inc, handle)
+            self.cache.commit(handle, req.token_ids)  # its full blocks join the local prefix cache
+            if inc.pulled:  # a cached prefix: prefill goes on from there
+                req.num_cached = num_tokens
+                scheduler.admit_loaded(req, handle)
+            elif req.fork_at is not None:  # n > 1: pushed before sampling, its choices fork here
+                req.num_cached = inc.first[2]
+                scheduler.admit_loaded(req, handle)
+            else:
+                token, logprobs, req.num_cached = inc.first
+                outputs.append(scheduler.admit_loaded(req, handle, token, logprobs))
+        return outputs
+
     # ---- KV store ------------------------------------------------------------------------------------
     def pull(self, req: Request, num_tokens: int, source: RemoteRegion) -> bool:
         """Start READing a cached prefix of `req` (`num_tokens` tokens at `source`); False if it
@@ -261,6 +297,17 @@ class KVPort:
             self._push_failed(req.request_id, res.region.agent, str(e))
             return
         self.outgoing.append(Outgoing(transfer, offset, req.request_id, res.region.agent))
+
+    def push_prefilled(self, scheduler: Scheduler) -> None:
+        """Send the state of every request `scheduler` prefilled for another rank this step, write its
+        prefix to the store, free it here; then move the transfers on (`progress`)."""
+        for req in scheduler.pushed:
+            self.push(req)
+            self.put(req)
+            self.cache.free(req.handle)
+            req.handle = None
+        scheduler.pushed.clear()
+        self.progress()
 
     def progress(self) -> None:
         """Release the ranges of finished WRITEs; report failed ones to their decode rank."""

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rackserve.engine.graphs import DecodeGraphs
@@ -99,6 +100,23 @@ class _Forward:
     result: SampleOutput | None = None
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step runs: the schedule's forward passes (`plan_passes`), then dummy ones up to
+    `num_passes` and draft forwards up to `num_drafts` (in a gang, the most any member needs: see
+    `agree`); `busy`: with nothing to run, a transfer may still land (this rank's, or in a gang any
+    member's: `gang_busy`); `gang_tokens` `[world_size]`: the tokens each member scheduled (empty
+    outside a gang)."""
+
+    out: SchedulerOutput
+    passes: list[Pass]
+    num_passes: int
+    num_drafts: int
+    busy: bool
+    gang_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    gang_busy: bool = False
+
+
 @dataclass
 class StepInFlight:
     """A step whose device work was handed to the forward thread (`Runner.start`). `tokens` `[S]`
@@ -125,6 +143,12 @@ class Runner:
         self.graphs: DecodeGraphs | None = None  # decode passes on fixed shapes (EngineConfig.compile)
         # penalised requests' token counts, on the device once one samples
         self.history = TokenHistory(max_requests, model.config.vocab_size, self.device)
+
+    def plan(self, out: SchedulerOutput, busy: bool) -> StepPlan:
+        """The forwards this rank runs for schedule `out`; `busy`: whether it must keep stepping
+        without any (see `StepPlan`)."""
+        passes = plan_passes(out, self.cache)
+        return StepPlan(out, passes, len(passes), self.draft_forwards(out), busy)
 
     def draft_forwards(self, out: SchedulerOutput) -> int:
         """The draft forwards `execute(out)` runs after its passes: the speculator's when some

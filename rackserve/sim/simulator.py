@@ -199,7 +199,7 @@ class Simulator:
             rank.scheduler.add(req)
 
     def _admit(self, rank: _Rank, w: Workload, limit: int) -> int:
-        """Admit at most `limit` arrived requests as `Engine._load_pushed` does; bytes of state loaded
+        """Admit at most `limit` arrived requests as `KVPort.admit_arrived` does; bytes of state loaded
         from host memory."""
         loaded = 0
         state = rank.scheduler.cache.state
