@@ -132,21 +132,21 @@ def test_streamed_choices_interleave_and_the_last_output_ends_the_request(llm):
 
 def test_aborting_a_request_stops_every_choice_and_frees_its_state(llm):
     engine = llm.engine
-    req = engine.add_request(TEXT, SamplingParams(n=4, max_tokens=50, ignore_eos=True))
+    req = engine.add_request(engine.tokenizer.encode(TEXT), SamplingParams(n=4, max_tokens=50, ignore_eos=True))
     for _ in range(3):
         engine.step()
     assert sum(c.handle is not None for c in req.choices) == 4
     assert engine.abort(req.request_id)
     assert req.all_finished and all(c.finish_reason == "abort" for c in req.choices)
     assert not engine.has_unfinished() and engine.cache.bytes_in_use == engine.cache.bytes_cached
-    early = engine.add_request(TEXT, SamplingParams(n=3, max_tokens=5))  # aborted before it forked
+    early = engine.add_request(engine.tokenizer.encode(TEXT), SamplingParams(n=3, max_tokens=5))  # aborted before it forked
     assert engine.abort(early.request_id) and early.all_finished and not engine.has_unfinished()
 
 
 def test_a_replay_resumes_only_the_choices_that_had_not_finished(llm):
     whole = llm.generate(TEXT, SAMPLED)
     engine = llm.engine
-    req = engine.add_request(TEXT, SAMPLED, resumed={1: whole[1].token_ids[:5], 3: whole[3].token_ids[:9]})
+    req = engine.add_request(engine.tokenizer.encode(TEXT), SAMPLED, resumed={1: whole[1].token_ids[:5], 3: whole[3].token_ids[:9]})
     assert [c.index for c in req.choices] == [1, 3]
     outs: list[RequestOutput] = []
     while not req.all_finished:
@@ -165,7 +165,7 @@ def test_bad_n_is_refused(kwargs, words):
 
 def test_resumed_must_name_choices_of_the_request(llm):
     with pytest.raises(ValueError, match="choice indexes 0 … 1"):
-        llm.engine.add_request("x", SamplingParams(n=2), resumed={2: [5]})
+        llm.engine.add_request(llm.engine.tokenizer.encode("x"), SamplingParams(n=2), resumed={2: [5]})
     with pytest.raises(ValueError, match="choice indexes"):
-        llm.engine.add_request("x", SamplingParams(n=2), resumed={})
+        llm.engine.add_request(llm.engine.tokenizer.encode("x"), SamplingParams(n=2), resumed={})
     assert not llm.engine.has_unfinished()

@@ -205,7 +205,7 @@ def test_a_controller_places_the_deployment_with_the_rack_planner(ray_cluster, t
         dep = controller.deployment
         for inst in dep.prefill + dep.decode:
             planned = controller.plan.instance(inst.name)
-            where = [(p["labels"]["rackserve.io/rack"], p["labels"]["rackserve.io/tray"]) for p in inst.ping()]
+            where = [(p.labels["rackserve.io/rack"], p.labels["rackserve.io/tray"]) for p in inst.ping()]
             assert where == [(g.rack, g.tray) for g in planned.gpus]
         assert len(dep.stores) == len(controller.plan.kv_stores) >= 1
         assert controller.health()["healthy"]

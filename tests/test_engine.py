@@ -186,7 +186,7 @@ def test_a_completion_joins_its_outputs():
 
 def test_bad_input_is_rejected_with_the_fix_and_others_keep_going(checkpoint):
     llm = LLM(checkpoint, max_model_len=64)
-    ok = llm.engine.add_request("The rack hums", SamplingParams(max_tokens=5, **GREEDY))
+    ok = llm.engine.add_request(llm.engine.tokenizer.encode("The rack hums"), SamplingParams(max_tokens=5, **GREEDY))
     with pytest.raises(RequestError, match="the prompt has 70 tokens; this engine's max_model_len is 64"):
         llm.engine.add_request(prompt(70, seed=0))
     with pytest.raises(RequestError, match=r"integers in \[0, 512\)"):
@@ -194,7 +194,7 @@ def test_bad_input_is_rejected_with_the_fix_and_others_keep_going(checkpoint):
     with pytest.raises(RequestError, match="empty"):
         llm.engine.add_request([])
     with pytest.raises(RequestError, match="already in use"):
-        llm.engine.add_request("x", request_id=ok.request_id)
+        llm.engine.add_request(llm.engine.tokenizer.encode("x"), request_id=ok.request_id)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="max_tokens"):

@@ -86,12 +86,12 @@ def test_dep2_instance(ray_cluster, tiny_checkpoint):
         assert_like_single_process(tiny_checkpoint, run_staggered(inst))
         assert all(s["steps"] > 0 for s in inst.stats()["members"])  # both stepped (one with dummies at times)
         # ranks run at normal priority (the session's cluster is started with WORKER_ENV), not Ray's nice 15
-        assert [os.getpriority(os.PRIO_PROCESS, p["pid"]) for p in inst.ping()] == [0, 0]
+        assert [os.getpriority(os.PRIO_PROCESS, p.pid) for p in inst.ping()] == [0, 0]
 
-        before = [p["cpu_s"] for p in inst.ping()]
+        before = [p.cpu_s for p in inst.ping()]
         steps = [s["steps"] for s in settled_stats(inst)["members"]]
         time.sleep(2.0)
-        idle = [p["cpu_s"] - b for p, b in zip(inst.ping(), before, strict=True)]
+        idle = [p.cpu_s - b for p, b in zip(inst.ping(), before, strict=True)]
         assert [s["steps"] for s in inst.stats()["members"]] == steps  # idle: the gang sleeps...
         assert max(idle) < 0.2, idle  # ...and does not spin (CPU seconds over 2 s idle)
 
@@ -140,9 +140,9 @@ def test_split_instance_from_a_plan(ray_cluster, hot_checkpoint):
         inst = Instance.from_plan(planned, groups[planned.name], hot_checkpoint,
                                   engine_kwargs={**ENGINE, "eplb_interval": 4})
         try:
-            where = [(m["labels"]["rackserve.io/rack"], m["labels"]["rackserve.io/tray"]) for m in inst.ping()]
+            where = [(m.labels["rackserve.io/rack"], m.labels["rackserve.io/tray"]) for m in inst.ping()]
             assert where == [(g.rack, g.tray) for g in planned.all_gpus]
-            assert [m["role"] for m in inst.ping()] == ["DP rank"] * 2 + ["expert rank"] * 2
+            assert [m.role for m in inst.ping()] == ["DP rank"] * 2 + ["expert rank"] * 2
             assert_like_single_process(hot_checkpoint, run_staggered(inst))
             # lockstep: the members' step counts settle to one (a gang out of step never would)
             assert_eplb_rebalanced(settled_stats(inst), min_rise=0.0)
@@ -234,7 +234,7 @@ def assert_member_death_is_survived(inst: Instance, member: int, name: str, chec
     if fault == "kill":
         ray.kill(inst.members[member])
     else:
-        os.kill(inst.ping()[member]["pid"], signal.SIGSTOP)  # the restart's kill ends it
+        os.kill(inst.ping()[member].pid, signal.SIGSTOP)  # the restart's kill ends it
     start = time.monotonic()
     # the survivors notice at their next exchange (host sync or expert all-to-all), within the timeout
     what = "died" if fault == "kill" else "stopped answering"

@@ -272,7 +272,7 @@ def test_a_resumed_request_goes_on_as_if_it_had_never_stopped():
     [whole] = LLM("tiny-code").generate([text], p)
     engine = LLM("tiny-code").engine
     for k in (1, 7, 15):
-        req = engine.add_request(text, p, request_id=f"resume-{k}", resumed={0: whole.token_ids[:k]})
+        req = engine.add_request(engine.tokenizer.encode(text), p, request_id=f"resume-{k}", resumed={0: whole.token_ids[:k]})
         outputs = []
         while not req.finished:
             outputs += [o for o in engine.step() if o.request_id == req.request_id]
@@ -283,7 +283,7 @@ def test_a_resumed_request_goes_on_as_if_it_had_never_stopped():
         sent = "".join(first.add([t]) for t in whole.token_ids[:k])
         assert sent + "".join(o.new_text for o in outputs) == whole.text
     with pytest.raises(ValueError, match="leave nothing to generate"):
-        engine.add_request(text, p, resumed={0: whole.token_ids})
+        engine.add_request(engine.tokenizer.encode(text), p, resumed={0: whole.token_ids})
 
 
 
@@ -294,7 +294,7 @@ def test_a_replay_that_resumes_mid_character_sends_the_whole_character():
     tok = llm.engine.tokenizer
     first, last = (tok._tok.token_to_id(piece) for piece in ("Ã", "©"))  # byte-level pieces of é's two bytes
     p = SamplingParams(temperature=0, max_tokens=2, allowed_token_ids=[last])
-    req = llm.engine.add_request("x = '", p, resumed={0: [first]})
+    req = llm.engine.add_request(llm.engine.tokenizer.encode("x = '"), p, resumed={0: [first]})
     outputs = []
     while not req.finished:
         outputs += llm.engine.step()

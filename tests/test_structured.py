@@ -118,5 +118,5 @@ def test_structured_outputs_under_async_steps_and_drafts(llm, engine):
 
 def test_a_grammar_that_cannot_compile_is_refused_before_anything_runs(llm):
     with pytest.raises(ValueError, match="regex does not compile"):
-        llm.engine.add_request("x", structured("regex", "(abc"))
+        llm.engine.add_request(llm.engine.tokenizer.encode("x"), structured("regex", "(abc"))
     assert not llm.engine.scheduler.has_unfinished()

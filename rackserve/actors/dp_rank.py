@@ -8,8 +8,8 @@ gets the outputs of the requests it submitted, and only those. A consumer that s
 `TIMEOUTS.consumer_silent_s` (its process died) has its requests aborted, so their state is freed and
 nobody's outputs pile up. Between steps the rank publishes its `load()` for routers.
 
-The engine is not thread-safe, so actor threads never touch it: they put an `AddRequest`,
-`AbortRequest` or `EngineCall` in the rank's inbox, which the step loop drains before each step.
+The engine is not thread-safe, so actor threads never touch it: they put a `Submit`, an
+`AbortRequest` or an `EngineCall` in the rank's inbox, which the step loop drains before each step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from rackserve.actors.gang_member import GangMember, GangSpec
-from rackserve.engine import Engine, RequestOutput, SamplingParams
+from rackserve.engine import Engine, RequestOutput
+from rackserve.messages import RankLoad, Submit
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.timeouts import TIMEOUTS
 from rackserve.transfer.kv_agent import KVAgent, KVReservation, RemoteRegion, TransferError
@@ -32,18 +33,6 @@ log = logging.getLogger(__name__)
 
 
 # ---- the inbox: what actor threads hand the step loop (the engine is not thread-safe) ---------------
-@dataclass
-class AddRequest:
-    """Queue a request (`Engine.add_request`); a refusal becomes its one, finished output."""
-
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    push_to: KVReservation | None
-    cached: tuple[int, RemoteRegion] | None
-    resumed: dict[int, list[int]] | None
-
-
 @dataclass
 class AbortRequest:
     request_id: str
@@ -57,7 +46,7 @@ class EngineCall:
     future: Future = field(default_factory=Future)
 
 
-InboxItem = AddRequest | AbortRequest | EngineCall
+InboxItem = Submit | AbortRequest | EngineCall  # a Submit: `Engine.add_request`, a refusal its one output
 
 
 class DPRank(GangMember):
@@ -71,7 +60,7 @@ class DPRank(GangMember):
         self._consumer: dict[str, str] = {}  # request id -> the consumer that polls for it
         self._ready: dict[str, set[str]] = {}  # consumer -> its requests with outputs to take
         self._polled: dict[str, float] = {}  # consumer -> when it last polled (time.monotonic())
-        self._load = {"requests": 0, "tokens": 0, "prefill_tokens": 0}
+        self._load = RankLoad()
 
     def setup(self, spec: GangSpec, members: list) -> None:
         """Join the gang (`members`: every member's handle, in rank order), load the model with this
@@ -89,10 +78,11 @@ class DPRank(GangMember):
         """(this rank's NIXL agent's name, its metadata)."""
         return self.engine.kv.agent.name, self.engine.kv.agent.metadata()
 
-    def kv_connect(self, peers: list[bytes], store: tuple[bytes, list] | None = None, forget: list[str] = ()) -> None:
+    def kv_connect(self, peers: list[bytes], store: tuple[bytes, RemoteRegion] | None = None,
+                   forget: list[str] = ()) -> None:
         """Forget the agents `forget`, which are gone (see `Engine.forget_peers`), learn peer agents
         (decode ranks to push to, KV stores to read from) and attach the KV store to write prefixes
-        to: (its metadata, this rank's inbox there as a wire region)."""
+        to: (its metadata, this rank's inbox there)."""
 
         def connect(engine: Engine) -> None:
             if forget:
@@ -103,26 +93,22 @@ class DPRank(GangMember):
                 except TransferError as e:  # unreachable (a store whose node died?): its successor is introduced
                     log.warning("DP rank %d: a peer was not learned: %s", self.rank, e)
             if store is not None:
-                engine.attach_store(store[0], RemoteRegion.from_wire(store[1]))
+                engine.attach_store(*store)
 
         self._call(connect)
 
-    def reserve(self, request_id: str, prompt: str | list[int], params: dict,
-                resumed: dict[int, list[int]] | None = None, consumer: str = "") -> list | None:
-        """Decode side: a reservation for a request another rank prefills (wire form), or None when
-        the pool is full and this rank prefills it itself. `resumed`: see `Engine.add_request`;
-        `consumer` polls for its outputs."""
+    def reserve(self, req: Submit) -> KVReservation | None:
+        """Decode side: a reservation for a request another rank prefills, or None when the pool is
+        full and this rank prefills it itself; `req.consumer` polls for its outputs."""
         with self._lock:
-            self._expect(request_id, consumer)
+            self._expect(req.request_id, req.consumer)
         try:
-            sampling = SamplingParams.from_dict(params)
-            reservation = self._call(lambda engine: engine.reserve_push(prompt, sampling, request_id=request_id,
-                                                                        resumed=resumed))
+            return self._call(lambda engine: engine.reserve_push(req.prompt, req.params, request_id=req.request_id,
+                                                                 resumed=req.resumed))
         except Exception:  # refused: nothing will be streamed for it
             with self._lock:
-                self._drop(request_id)
+                self._drop(req.request_id)
             raise
-        return reservation.to_wire() if reservation is not None else None
 
     def _call(self, fn: Callable[[Engine], Any]):
         """`fn(engine)`, run in the step loop between steps; its result."""
@@ -151,22 +137,14 @@ class DPRank(GangMember):
             self._ready.setdefault(self._consumer[out.request_id], set()).add(out.request_id)
 
     # ---- requests ------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: str | list[int], params: dict, push_to: list | None = None,
-               cached: tuple[int, list] | None = None, resumed: dict[int, list[int]] | None = None,
-               consumer: str = "") -> None:
-        """Queue a request; raises here (not in the loop) for parameters the engine cannot take.
-        `push_to`: a decode rank's reservation (wire form): prefill only and push the state there;
-        `cached`: (tokens, wire region) of a prefix of the prompt in a KV store; `resumed`: see
-        `Engine.add_request`; `consumer`: who polls for its outputs."""
-        sampling = SamplingParams.from_dict(params)
-        if self.error:  # the caller learns now, before the request is lost
+    def submit(self, req: Submit) -> None:
+        """Queue a request (see `Submit`); a gang that failed raises here, before the request is lost."""
+        if self.error:
             raise RuntimeError(self.error)
-        add = AddRequest(request_id, prompt, sampling, KVReservation.from_wire(push_to) if push_to else None,
-                         (cached[0], RemoteRegion.from_wire(cached[1])) if cached else None, resumed)
         with self._lock:
-            self._inbox.append(add)
-            if push_to is None:  # a pushed request's outputs belong to its decode rank
-                self._expect(request_id, consumer)
+            self._inbox.append(req)
+            if req.push_to is None:  # a pushed request's outputs belong to its decode rank
+                self._expect(req.request_id, req.consumer)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -194,7 +172,7 @@ class DPRank(GangMember):
                     self._outputs[request_id] = []
             return ready
 
-    def load(self) -> dict:
+    def load(self) -> RankLoad:
         """This rank's load as of its last step (`Engine.load`), for routers."""
         return self._load
 
@@ -231,7 +209,7 @@ class DPRank(GangMember):
         if inbox:
             self._wake_others()
         for item in inbox:
-            if isinstance(item, AddRequest):
+            if isinstance(item, Submit):
                 self._add(item)
             elif isinstance(item, AbortRequest):
                 self.engine.abort(item.request_id)
@@ -241,7 +219,7 @@ class DPRank(GangMember):
                 except Exception as e:  # noqa: BLE001 - handed to the caller, whose call raises it
                     item.future.set_exception(e)
 
-    def _add(self, item: AddRequest) -> None:
+    def _add(self, item: Submit) -> None:
         try:
             self.engine.add_request(item.prompt, item.params, request_id=item.request_id, push_to=item.push_to,
                                     cached=item.cached, resumed=item.resumed)

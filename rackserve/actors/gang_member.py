@@ -28,6 +28,7 @@ import torch.distributed as dist
 from rackserve import timing
 from rackserve.collective import join
 from rackserve.config import EngineConfig
+from rackserve.messages import MemberPing
 from rackserve.models import load_model
 from rackserve.models.interface import ServingModel
 from rackserve.transfer.ep import ExpertParallel
@@ -116,12 +117,12 @@ class GangMember:
             for member in self._others:
                 member.nudge.remote()
 
-    def ping(self) -> dict:
-        """Liveness and where this member runs: role, rank, pid, node labels, CPU seconds used."""
+    def ping(self) -> MemberPing:
+        """Liveness and where this member runs."""
         import ray
 
-        return {"role": self.role, "rank": self.rank, "pid": os.getpid(), "error": self.error,
-                "labels": ray.get_runtime_context().get_node_labels(), "cpu_s": time.process_time()}
+        return MemberPing(self.role, self.rank, os.getpid(), ray.get_runtime_context().get_node_labels(),
+                          time.process_time(), self.error)
 
     def stats(self) -> dict:
         """Role, rank, this member's counters, and seconds per step phase (with RACKSERVE_PROFILE=1)."""

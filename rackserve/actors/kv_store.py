@@ -18,7 +18,7 @@ from rackserve.config import EngineConfig
 from rackserve.engine.prefix_store import PrefixStore
 from rackserve.models import read_config, resolve
 from rackserve.timeouts import TIMEOUTS
-from rackserve.transfer.kv_agent import KVAgent
+from rackserve.transfer.kv_agent import KVAgent, RemoteRegion
 
 
 class KVStore:
@@ -45,10 +45,10 @@ class KVStore:
         """Liveness: this store's process id."""
         return os.getpid()
 
-    def add_writer(self, metadata: bytes) -> list:
-        """Learn a rank's agent; its inbox here (wire form)."""
+    def add_writer(self, metadata: bytes) -> RemoteRegion:
+        """Learn a rank's agent; its inbox here."""
         with self._lock:
-            return self.store.add_writer(metadata).to_wire()
+            return self.store.add_writer(metadata)
 
     def remove_writers(self, names: list[str]) -> None:
         """Forget the agents `names` of ranks that are gone (their inboxes return to the pool)."""
@@ -56,12 +56,12 @@ class KVStore:
             for name in names:
                 self.store.remove_writer(name)
 
-    def lookup(self, token_ids: list[int]) -> tuple[int, list] | None:
-        """(cached tokens, wire region to READ) for the longest cached prefix, or None."""
+    def lookup(self, token_ids: list[int]) -> tuple[int, RemoteRegion] | None:
+        """(cached tokens, the region to READ them from) for the longest cached prefix, or None."""
         with self._lock:
             hit = self.store.lookup(token_ids)
             self._busy_until = time.monotonic() + TIMEOUTS.store_busy_for_s
-        return (hit[0], hit[1].to_wire()) if hit else None
+        return hit
 
     def stats(self) -> dict:
         with self._lock:

@@ -4,7 +4,7 @@
 
 The state is a contiguous byte buffer of each size (MiB). A sender and a receiver actor on this
 machine each hold a `KVAgent` (NIXL, UCX) whose registered host pool fits the largest size; metadata
-goes through Ray once, and the receiver hands out a range of its pool as `region.to_wire()`. Seeded
+goes through Ray once, and the receiver hands out a range of its pool as a `RemoteRegion`. Seeded
 random bytes are written into the sender's pool before any timing: exporting state into the pool is
 a separate step of our design and is not timed. Per size, `--repeats` rounds of (NIXL, object store):
 
@@ -97,21 +97,21 @@ class _Side:
     def fill(self, nbytes: int, seed: int) -> None:
         fill_pool(self.agent, nbytes, seed)
 
-    def region(self, nbytes: int) -> list:
-        """A fresh zeroed range of `nbytes` (the previous one freed), as a wire region."""
+    def region(self, nbytes: int) -> RemoteRegion:
+        """A fresh zeroed range of `nbytes` (the previous one freed), for the sender to WRITE to."""
         if self.offset is not None:
             self.agent.free(self.offset)
         self.offset = zeroed_range(self.agent, nbytes)
-        return self.agent.region(self.offset, nbytes).to_wire()
+        return self.agent.region(self.offset, nbytes)
 
     def holds(self, nbytes: int, seed: int) -> bool:
         return pool_holds(self.agent, self.offset, nbytes, seed)
 
-    def push(self, region: list) -> None:
+    def push(self, region: RemoteRegion) -> None:
         """Once the receiver polls, WRITE our pool's first bytes into `region`; notif = start time."""
         _next_notif(self.agent)
         start = time.time()
-        self.agent.wait(self.agent.write(0, RemoteRegion.from_wire(region), notif=repr(start).encode()))
+        self.agent.wait(self.agent.write(0, region, notif=repr(start).encode()))
 
     def receive(self, sender: str) -> float:
         """Tell `sender` we poll; seconds from its start of the push to its notification here."""

@@ -36,9 +36,9 @@ from rackserve.actors.kv_store import KVStore
 from rackserve.cluster.deployment_client import DeploymentClient
 from rackserve.cluster.faults import GANG_ERRORS, InstanceError, UnplacedError, member_name
 from rackserve.cluster.instance import Instance
-from rackserve.cluster.request_router import RankKey
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import Completion, RequestOutput, SamplingParams
+from rackserve.messages import DeploymentView, InstanceView, RankKey, RankLoad
 from rackserve.models import resolve
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.placement import InstanceGroup, PlacementError, TopologyError
@@ -46,6 +46,7 @@ from rackserve.placement import plan as plan_instances
 from rackserve.placement.planner import Plan
 from rackserve.placement.ray_groups import alive_trays, kv_store_options, live_topology, placement_group_of
 from rackserve.timeouts import TIMEOUTS
+from rackserve.transfer.transport import RemoteRegion
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class Deployment:
         self._agents: dict[RankKey, tuple[str, bytes]] = {}  # each DP rank's NIXL agent: (name, metadata)
         self._store_agents: dict[int, tuple[str, bytes]] = {}  # each live KV store's
         self._wiring = threading.RLock()  # one rewiring at a time (restarts and store replacements)
-        self._loads: dict[RankKey, dict] = {}
+        self._loads: dict[RankKey, RankLoad] = {}
         self._closed = False
         self._connect()
         for inst in self.prefill + self.decode:
@@ -228,7 +229,7 @@ class Deployment:
                 except ray.exceptions.GetTimeoutError:
                     log.warning("KV store %d has not started after %.0f s; trying again later", k, timeout)
 
-    def _link(self, key: RankKey) -> tuple[bytes, list] | None:
+    def _link(self, key: RankKey) -> tuple[bytes, RemoteRegion] | None:
         """The KV store DP rank `key` writes to (the one it had, while it lives; else round robin over
         the live stores) as (its metadata, the rank's inbox there), recorded in `_rank_store`; None
         without a live store (call under `_wiring`)."""
@@ -281,12 +282,13 @@ class Deployment:
             return None
 
     # ---- what clients need (`DeploymentOwner`) --------------------------------------------------------
-    def view(self) -> dict:
-        """The instances (name, DP ranks, shape) by role, the KV stores, which store each DP rank writes
-        to, and the checkpoint directory: what a `DeploymentClient` is built from."""
-        return {"decode": [(i.name, i.dep, f"{i.shape} instance {i.name!r}") for i in self.decode],
-                "prefill": [(i.name, i.dep, f"{i.shape} instance {i.name!r}") for i in self.prefill],
-                "stores": list(self.stores), "rank_store": dict(self._rank_store), "path": self.path}
+    def view(self) -> DeploymentView:
+        """What a `DeploymentClient` is built from (see `DeploymentView`)."""
+        def seen(instances: list[Instance]) -> tuple[InstanceView, ...]:
+            return tuple(InstanceView(i.name, i.dep, f"{i.shape} instance {i.name!r}") for i in instances)
+
+        return DeploymentView(seen(self.decode), seen(self.prefill), tuple(self.stores), dict(self._rank_store),
+                              self.path)
 
     def _replan(self, name: str) -> PlacementGroup:
         """A new placement group (not yet placed) for instance `name`, whose group lost a node: the plan
@@ -322,7 +324,7 @@ class Deployment:
         """A client found gang `generation` of instance `name` failed: restart it unless done; why it failed."""
         return self._instance(name).gang_failed(name, generation, why)
 
-    def loads(self) -> dict[RankKey, dict]:
+    def loads(self) -> dict[RankKey, RankLoad]:
         """The DP ranks' latest load reports, gathered every `TIMEOUTS.load_period_s`, each with its gang's
         `generation`; a rank of a gang restarting or down, or silent for `TIMEOUTS.load_stale_s`, has none (routers
         send it nothing while another can take it)."""
@@ -340,7 +342,7 @@ class Deployment:
             for (name, rank, generation, _), ref in zip(members, refs, strict=True):
                 if ref in ready:
                     try:
-                        loads[(name, rank)] = {**ray.get(ref), "generation": generation}
+                        loads[(name, rank)] = replace(ray.get(ref), generation=generation)
                         seen[(name, rank)] = now
                     except ray.exceptions.RayError:  # a failed gang: its clients or the watcher restart it
                         continue
@@ -379,7 +381,7 @@ class Deployment:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TIMEOUTS.store_ping_s)
             for i, ref in enumerate(refs):
                 try:
-                    error = ray.get(ref)["error"] if ref in ready else None
+                    error = ray.get(ref).error if ref in ready else None
                 except ray.exceptions.RayActorError:
                     error = f"{member_name(i, inst.dep)} died"
                 if error:

@@ -40,20 +40,24 @@ import ray
 
 from rackserve.cluster.faults import InstanceError
 from rackserve.cluster.instance_client import GangOwner, InstanceClient
-from rackserve.cluster.request_router import RankKey, RequestRouter
+from rackserve.cluster.request_router import RequestRouter
 from rackserve.engine import Completion, RequestOutput, SamplingParams
 from rackserve.engine.detokenizer import IncrementalDetokenizer
-from rackserve.models.tokenizer import Tokenizer
+from rackserve.messages import DeploymentView, RankKey, RankLoad
+from rackserve.models.tokenizer import Tokenizer, prompt_ids
 from rackserve.timeouts import TIMEOUTS
+from rackserve.transfer.transport import RemoteRegion
 
 
 class DeploymentOwner(GangOwner, Protocol):
-    def view(self) -> dict:
-        """What a client needs: {"decode": [(name, dep, shape)], "prefill": [...], "stores": [handles],
-        "rank_store": {(name, rank): store index or None}, "path": the checkpoint directory}."""
+    """What a client needs from whoever owns the deployment (a `Deployment`, or the serving data plane
+    through `rackserve.serve.controller.RemoteDataPlane`): the gangs (`GangOwner`), and"""
 
-    def loads(self) -> dict[RankKey, dict]:
-        """The DP ranks' latest load reports (`DPRank.load`)."""
+    def view(self) -> DeploymentView:
+        """The instances, the KV stores and which store each DP rank writes to."""
+
+    def loads(self) -> dict[RankKey, RankLoad]:
+        """The DP ranks' latest load reports (`DPRank.load`), with their gangs' generations."""
 
 
 @dataclass
@@ -97,11 +101,11 @@ class DeploymentClient:
         self.owner, self.tokenizer = owner, tokenizer
         self.name = f"{name}-{secrets.token_hex(4)}"
         view = owner.view()
-        self.decode = {n: InstanceClient(n, dep, owner, shape, consumer=f"{self.name}-{n}")
-                       for n, dep, shape in view["decode"]}
-        self.prefill = {n: InstanceClient(n, dep, owner, shape, consumer=f"{self.name}-{n}")
-                        for n, dep, shape in view["prefill"]}
-        self.stores, self.rank_store = view["stores"], view["rank_store"]
+        self.decode = {i.name: InstanceClient(i.name, i.dep, owner, i.shape, consumer=f"{self.name}-{i.name}")
+                       for i in view.decode}
+        self.prefill = {i.name: InstanceClient(i.name, i.dep, owner, i.shape, consumer=f"{self.name}-{i.name}")
+                        for i in view.prefill}
+        self.stores, self.rank_store = view.stores, view.rank_store
         self.dead_stores: dict[int, float] = {}  # store index -> when found dead (time.monotonic())
         self.router = RequestRouter([(n, r) for n, c in self.decode.items() for r in range(c.dep)],
                              [(n, r) for n, c in self.prefill.items() for r in range(c.dep)])
@@ -121,7 +125,7 @@ class DeploymentClient:
             self.router.update(loads)
         for (name, _), load in loads.items():
             client = self.decode.get(name) or self.prefill.get(name)
-            if client is not None and load.get("generation", -1) > client.generation:
+            if client is not None and load.generation > client.generation:
                 client.refresh()
 
     def _load_loop(self) -> None:
@@ -133,13 +137,13 @@ class DeploymentClient:
                 pass
 
     # ---- KV stores -----------------------------------------------------------------------------------
-    def _lookup(self, decode_at: RankKey, ids: list[int]):
+    def _lookup(self, decode_at: RankKey, ids: list[int]) -> tuple[int, RemoteRegion] | None:
         """The longest cached prefix of `ids` in the KV store `decode_at` writes to, if any. A store
         found dead is skipped for `TIMEOUTS.store_retry_s`, then its owner's replacement is taken."""
         k = self.rank_store.get(decode_at)
         if k is not None and k in self.dead_stores and time.monotonic() - self.dead_stores[k] > TIMEOUTS.store_retry_s:
             view = self.owner.view()
-            self.stores, self.rank_store = view["stores"], view["rank_store"]
+            self.stores, self.rank_store = view.stores, view.rank_store
             del self.dead_stores[k]
             k = self.rank_store.get(decode_at)
         if k is None or k in self.dead_stores:
@@ -157,7 +161,7 @@ class DeploymentClient:
         params = params or SamplingParams()
         if params.seed is None:  # prefill samples the first token, decode the rest: one seed for both
             params = replace(params, seed=secrets.randbits(63))
-        ids = self._token_ids(prompt)
+        ids = prompt_ids(self.tokenizer, prompt)
         request_id = f"{self.name}-{secrets.token_hex(5)}"
         route = _Route(request_id, None, None, ids, params, session)
         with self._lock:
@@ -246,13 +250,6 @@ class DeploymentClient:
         text = detok.add(tokens) + detok.flush()
         return text[route.sent.get(index, 0):]
 
-    def _token_ids(self, prompt: str | list[int]) -> list[int]:
-        if not isinstance(prompt, str):
-            return prompt
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer.json; send token ids instead of text")
-        return self.tokenizer.encode(prompt)
-
     def stream(self, request_id: str) -> Iterator[RequestOutput]:
         """The request's outputs from its decode rank (see `InstanceClient.stream`), replayed if its
         decode gang fails; closing the stream early aborts the request and frees its state."""
@@ -299,7 +296,7 @@ class DeploymentClient:
         """Run prompts to completion; their completions, in order (a prompt's n choices one after
         another; input the engine refused ends with its `error`)."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        prompts = [self._token_ids(p) for p in prompts]
+        prompts = [prompt_ids(self.tokenizer, p) for p in prompts]
         ids = [self.submit(p, sp, s) for p, sp, s in zip(prompts, params_list, sessions or [None] * len(prompts),
                                                           strict=True)]
         return [c for request_id, p, sp in zip(ids, prompts, params_list, strict=True)

@@ -52,8 +52,8 @@ def diagnose(members: list, dep: int, timeout: float = TIMEOUTS.diagnose_ping_s)
         except ray.exceptions.RayActorError:
             culprits.append(f"{member_name(i, dep)} died")
             continue
-        if info["error"]:
-            errors.append(info["error"])
+        if info.error:
+            errors.append(info.error)
     return "; ".join(culprits) if culprits else (errors[0] if errors else None)
 
 

@@ -38,9 +38,11 @@ from rackserve.cluster.gang_supervisor import GangSupervisor
 from rackserve.cluster.instance_client import InstanceClient
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import Completion, RequestOutput, SamplingParams
+from rackserve.messages import MemberPing
 from rackserve.models import read_config, resolve
-from rackserve.models.tokenizer import Tokenizer
+from rackserve.models.tokenizer import Tokenizer, prompt_ids
 from rackserve.placement import planner, rebalance
+from rackserve.transfer.transport import KVReservation, RemoteRegion
 
 
 class Instance:
@@ -149,14 +151,15 @@ class Instance:
 
     # ---- requests (through the instance's own client) ----------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-               rank: int | None = None, push_to: list | None = None, cached: tuple[int, list] | None = None) -> str:
-        """See `InstanceClient.submit`."""
-        return self.client.submit(prompt, params, request_id, rank, push_to, cached)
+               rank: int | None = None, push_to: KVReservation | None = None,
+               cached: tuple[int, RemoteRegion] | None = None) -> str:
+        """See `InstanceClient.submit`; text is tokenized here."""
+        return self.client.submit(prompt_ids(self.tokenizer, prompt), params, request_id, rank, push_to, cached)
 
     def reserve(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                rank: int | None = None) -> tuple[str, list | None]:
-        """See `InstanceClient.reserve`."""
-        return self.client.reserve(prompt, params, request_id, rank)
+                rank: int | None = None) -> tuple[str, KVReservation | None]:
+        """See `InstanceClient.reserve`; text is tokenized here."""
+        return self.client.reserve(prompt_ids(self.tokenizer, prompt), params, request_id, rank)
 
     def stream(self, request_id: str) -> Iterator[RequestOutput]:
         """See `InstanceClient.stream`."""
@@ -172,27 +175,24 @@ class Instance:
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[Completion]:
         """Run prompts to completion across the ranks; their completions, in order (a prompt's n choices
-        one after another; input the engine refused ends with its `error`). Text is encoded here, as a
-        rank would, for `prompt_token_ids`."""
+        one after another; input the engine refused ends with its `error`). Text is tokenized here."""
         params = params or SamplingParams()
-        prompts = [self.tokenizer.encode(p) if isinstance(p, str) and self.tokenizer is not None else p
-                   for p in prompts]
+        prompts = [prompt_ids(self.tokenizer, p) for p in prompts]
         ids = [self.client.submit(p, params) for p in prompts]
-        # text left over (no tokenizer) is refused by the rank: no token ids to report
         return [c for request_id, p in zip(ids, prompts, strict=True)
-                for c in Completion.from_outputs(request_id, [] if isinstance(p, str) else list(p),
-                                                 self.client.stream(request_id), logprobs=params.logprobs is not None)]
+                for c in Completion.from_outputs(request_id, p, self.client.stream(request_id),
+                                                 logprobs=params.logprobs is not None)]
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer | None:
-        """The checkpoint's tokenizer (None without tokenizer.json), loaded when `generate` first needs it."""
+        """The checkpoint's tokenizer (None without tokenizer.json), loaded when text first comes in."""
         return Tokenizer(self.path) if (Path(self.path) / "tokenizer.json").is_file() else None
 
     def kv_metadata(self) -> list[tuple[str, bytes]]:
         """(NIXL agent name, metadata) of every DP rank (an instance made with `kv=True`)."""
         return ray.get([m.kv_metadata.remote() for m in self.members[:self.dep]])
 
-    def kv_connect(self, peers: list[bytes], stores: list[tuple[bytes, list] | None] | None = None,
+    def kv_connect(self, peers: list[bytes], stores: list[tuple[bytes, RemoteRegion] | None] | None = None,
                    forget: list[str] = ()) -> None:
         """Every DP rank forgets the agents `forget` (gone) and learns `peers`; DP rank i writes
         prefixes to `stores[i]` (metadata, inbox), if given."""
@@ -208,7 +208,7 @@ class Instance:
         return {"name": self.name, "shape": self.shape, "restarts": self.generation,
                 "failures": self._gang.failures, "members": counters}
 
-    def ping(self) -> list[dict]:
+    def ping(self) -> list[MemberPing]:
         """Every member's liveness and whereabouts (see `GangMember.ping`)."""
         return ray.get([m.ping.remote() for m in self.members])
 

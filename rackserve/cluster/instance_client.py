@@ -29,7 +29,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Protocol
 
 import ray
@@ -37,7 +37,9 @@ import ray
 from rackserve.cluster.faults import GANG_ERRORS, InstanceError, retry_after_restart
 from rackserve.cluster.output_stream import OutputStream
 from rackserve.engine import RequestOutput, SamplingParams
+from rackserve.messages import Submit
 from rackserve.timeouts import TIMEOUTS
+from rackserve.transfer.transport import KVReservation, RemoteRegion
 
 
 class GangOwner(Protocol):
@@ -93,29 +95,33 @@ class InstanceClient:
                 self.generation, self.members = generation, members
 
     # ---- requests ------------------------------------------------------------------------------------
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-               rank: int | None = None, push_to: list | None = None, cached: tuple[int, list] | None = None,
-               resumed: dict[int, list[int]] | None = None) -> str:
-        """Queue a request on DP rank `rank` (default: the one streaming the fewest of ours); returns its
-        id. A gang found dead here is restarted first, so the request is served. `push_to`/`cached`: see
-        `DPRank.submit` (disaggregated prefill); `resumed`: see `Engine.add_request`."""
-        request_id = request_id or f"{self.consumer}-{secrets.token_hex(4)}"
-        self._on_rank(rank, request_id, "submit", prompt, asdict(params or SamplingParams()), push_to, cached,
-                      resumed, own=push_to is None)  # a pushed request is streamed from its decode instance
-        return request_id
+    def submit(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None,
+               rank: int | None = None, push_to: KVReservation | None = None,
+               cached: tuple[int, RemoteRegion] | None = None, resumed: dict[int, list[int]] | None = None) -> str:
+        """Queue a request of prompt token ids on DP rank `rank` (default: the one streaming the fewest of
+        ours); returns its id. A gang found dead here is restarted first, so the request is served.
+        `push_to`/`cached`/`resumed`: see `Submit` (disaggregated prefill, a replay)."""
+        req = Submit(request_id or f"{self.consumer}-{secrets.token_hex(4)}", list(prompt),
+                     params or SamplingParams(), push_to, cached, resumed)
+        self._on_rank(rank, req, "submit", own=push_to is None)  # a pushed request streams from its decode rank
+        return req.request_id
 
-    def reserve(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                rank: int | None = None, resumed: dict[int, list[int]] | None = None) -> tuple[str, list | None]:
-        """Decode side of P/D: (request id, a reservation in wire form for the prefill rank, or None
-        when the rank's pool is full and it prefills the request itself). Stream it as usual."""
-        request_id = request_id or f"{self.consumer}-{secrets.token_hex(4)}"
-        return request_id, self._on_rank(rank, request_id, "reserve", prompt, asdict(params), resumed)
+    def reserve(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                rank: int | None = None, resumed: dict[int, list[int]] | None = None
+                ) -> tuple[str, KVReservation | None]:
+        """Decode side of P/D: (request id, a reservation for the prefill rank to push to, or None when the
+        rank's pool is full and it prefills the request itself). Stream it as usual."""
+        req = Submit(request_id or f"{self.consumer}-{secrets.token_hex(4)}", list(prompt), params, resumed=resumed)
+        return req.request_id, self._on_rank(rank, req, "reserve")
 
-    def _on_rank(self, rank: int | None, request_id: str, method: str, *args, own: bool = True):
-        """Call `method(request_id, *args)` on DP rank `rank` (default: the least loaded), waking the
-        whole gang; `own`: stream the request from here (it counts in the rank's load). The lock is
-        held only to choose: the call waits for the rank's next step boundary (a reservation), and
-        concurrent submits must reach the rank in the same step, not one per step."""
+    def _on_rank(self, rank: int | None, req: Submit, method: str, own: bool = True):
+        """Call `method(req)` on DP rank `rank` (default: the least loaded), waking the whole gang; `own`:
+        stream the request from here (it counts in the rank's load). The lock is held only to choose: the
+        call waits for the rank's next step boundary (a reservation), and concurrent submits must reach
+        the rank in the same step, not one per step."""
+        request_id = req.request_id
+        if own:
+            req = replace(req, consumer=self.consumer)
 
         def choose() -> tuple[int, tuple[list, int]]:
             with self._lock:
@@ -130,9 +136,8 @@ class InstanceClient:
         def call(chosen: tuple[list, int]):
             members, at = chosen
             target = members[at]
-            extra = {"consumer": self.consumer} if own else {}
             try:  # every member must resume stepping with it
-                result, *_ = ray.get([getattr(target, method).remote(request_id, *args, **extra)] +
+                result, *_ = ray.get([getattr(target, method).remote(req)] +
                                      [m.wake.remote() for m in members if m is not target])
             except GANG_ERRORS as e:
                 self._forget(request_id)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-RankKey = tuple[str, int]  # (instance name, DP rank): the same in every process
+from rackserve.messages import RankKey, RankLoad
 
 
 class RequestRouter:
@@ -36,10 +36,10 @@ class RequestRouter:
         if not decode:
             raise ValueError("a router needs at least one decode rank")
         self.decode, self.prefill, self.slack = list(decode), list(prefill), slack
-        self._reported: dict[RankKey, dict] = {}
+        self._reported: dict[RankKey, RankLoad] = {}
         self._sent: dict[tuple[str, RankKey], int] = {}  # (role, rank) -> tokens routed since the last report
 
-    def update(self, loads: dict[RankKey, dict]) -> None:
+    def update(self, loads: dict[RankKey, RankLoad]) -> None:
         """Take the ranks' latest reports ({rank: `DPRank.load()`}); what was routed before is in them."""
         self._reported = dict(loads)
         self._sent.clear()
@@ -63,7 +63,8 @@ class RequestRouter:
 
     def load(self, role: str, rank: RankKey) -> int:
         """The load this router sees on `rank` (reported + sent since)."""
-        reported = self._reported.get(rank, {}).get("tokens" if role == "decode" else "prefill_tokens", 0)
+        report = self._reported.get(rank, RankLoad())
+        reported = report.tokens if role == "decode" else report.prefill_tokens
         return reported + self._sent.get((role, rank), 0)
 
     @property

@@ -25,6 +25,7 @@ from rackserve.engine.sampling import SamplingParams
 from rackserve.engine.scheduler import Scheduler
 from rackserve.engine.speculative import Speculator
 from rackserve.engine.state_cache import StateCache
+from rackserve.messages import RankLoad
 from rackserve.models.interface import ServingModel
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.timeouts import TIMEOUTS
@@ -97,11 +98,11 @@ class Engine:
         self._grammars: Grammars | None = None  # made for the first structured request
         self.num_steps = 0
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, push_to: KVReservation | None = None,
                     cached: tuple[int, RemoteRegion] | None = None,
                     resumed: dict[int, list[int]] | None = None) -> Request:
-        """Queue a request (text needs a tokenizer); raises `RequestError` for input it cannot serve.
+        """Queue a request of prompt token ids; raises `RequestError` for input it cannot serve.
         Returns its first choice (`Request.choices` lists all of them, for `params.n` > 1).
         With `push_to`, only prefill it (and sample its first token; with n > 1, the prompt but its
         last token, see `Scheduler`), then push its state there.
@@ -126,7 +127,7 @@ class Engine:
         self.kv.attach_store(self.kv.agent.add_peer(agent_metadata), inbox)
         self.scheduler.on_finish = self.kv.put
 
-    def reserve_push(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+    def reserve_push(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None,
                      resumed: dict[int, list[int]] | None = None) -> KVReservation | None:
         """Take a request whose prompt another rank will prefill and push here (decode side of P/D):
         returns where to push it. None when this rank's transfer pool is full: the request is then
@@ -140,7 +141,7 @@ class Engine:
             self.scheduler.add(req)
         return reservation
 
-    def _new_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
+    def _new_request(self, prompt: list[int], params: SamplingParams | None, request_id: str | None,
                      resumed: dict[int, list[int]] | None = None) -> Request:
         """The request's choices, checked (`RequestError`); returns the first, which holds the others
         as its `forks` when there are several."""
@@ -148,12 +149,7 @@ class Engine:
         if request_id is not None and (self.scheduler.find(request_id) is not None
                                        or (self.kv is not None and request_id in self.kv.incoming)):
             raise RequestError(f"request id {request_id!r} is already in use; ids must be unique while running")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer.json; send token ids instead of text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
+        ids = list(prompt)  # text was tokenized where it came in (`prompt_ids`)
         vocab = self.model.config.vocab_size
         if not ids:
             raise RequestError("the prompt is empty; send at least one token")
@@ -312,15 +308,15 @@ class Engine:
         if self._in_flight is not None:
             self._in_flight.future.result()
 
-    def load(self) -> dict:
-        """What a router weighs (`rackserve.cluster.request_router`): requests held (running, waiting, and state on
-        its way in), tokens of state they hold or will (prompt + output so far, and a pushed request's
-        prompt), and prompt tokens still to prefill here."""
+    def load(self) -> RankLoad:
+        """What a router weighs (`rackserve.cluster.request_router`): requests held (running, waiting, and
+        state on its way in), tokens of state they hold or will (prompt + output so far, and a pushed
+        request's prompt), and prompt tokens still to prefill here."""
         queued = [*self.scheduler.running, *self.scheduler.waiting]
         incoming = list(self.kv.incoming.values()) if self.kv is not None else []
-        return {"requests": len(queued) + len(incoming),
-                "tokens": sum(len(r.token_ids) for r in queued) + sum(i.request.num_given for i in incoming),
-                "prefill_tokens": sum(max(0, r.num_given - r.num_computed) for r in queued)}
+        return RankLoad(requests=len(queued) + len(incoming),
+                        tokens=sum(len(r.token_ids) for r in queued) + sum(i.request.num_given for i in incoming),
+                        prefill_tokens=sum(max(0, r.num_given - r.num_computed) for r in queued))
 
     def stats(self) -> dict:
         """Counters: prefix-cache hits and skipped tokens, evictions, preemptions, prompt (and resumed)

@@ -16,7 +16,7 @@ from rackserve.engine.engine import Engine
 from rackserve.engine.request import Completion, RequestOutput
 from rackserve.engine.sampling import SamplingParams
 from rackserve.models import load_model, resolve
-from rackserve.models.tokenizer import Tokenizer
+from rackserve.models.tokenizer import Tokenizer, prompt_ids
 
 Prompt = str | Sequence[int]
 
@@ -40,7 +40,8 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
-        requests = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        tokenizer = self.engine.tokenizer
+        requests = [self.engine.add_request(prompt_ids(tokenizer, p), sp) for p, sp in zip(prompts, params)]
         outputs: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -53,7 +54,7 @@ class LLM:
         """Yield each step's new tokens and text for one prompt (other queued work advances too; with
         n > 1 the choices' outputs interleave, told apart by `index`). Closing the iterator early
         aborts the request."""
-        req = self.engine.add_request(prompt, params)
+        req = self.engine.add_request(prompt_ids(self.engine.tokenizer, prompt), params)
         try:
             while not req.all_finished:
                 for out in self.engine.step():

@@ -279,3 +279,14 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 def _raise_template_error(message: str) -> None:
     # templates call raise_exception(...) to refuse a conversation, e.g. roles that do not alternate
     raise jinja2.TemplateError(message)
+
+
+def prompt_ids(tokenizer: Tokenizer | None, prompt: str | Iterable[int]) -> list[int]:
+    """A prompt as its caller gave it, as token ids: text encoded (a `ValueError` naming the fix when the
+    checkpoint has no tokenizer.json), ids as they are (the engine checks them). Where text comes in
+    (the endpoint, `LLM`, `Instance`, `Deployment`) it is tokenized once, here; every call below takes ids."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer.json; send token ids instead of text")
+    return tokenizer.encode(prompt)

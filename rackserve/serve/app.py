@@ -195,9 +195,9 @@ class OpenAIServer:
             check_direct_ingress(self.config.port)
         self.plane = data_plane(self.config, serve.get_replica_context().app_name)  # waits until it is built
         info = ray.get(self.plane.info.remote())
-        self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
+        self.vocab_size, self.max_model_len = info.vocab_size, info.max_model_len
         # a built-in model is at home on every node (the tiny one made there)
-        path = resolve(self.config.model) if self.config.model in BUILT_IN else info["path"]
+        path = resolve(self.config.model) if self.config.model in BUILT_IN else info.path
         self.tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         self.family = family_of(read_config_json(path)).model_type
         self.deployment = DeploymentClient(RemoteDataPlane(self.plane), self.tokenizer, name="ingress")

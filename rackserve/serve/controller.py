@@ -30,8 +30,8 @@ import ray
 
 from rackserve.cluster.deployment import Deployment
 from rackserve.cluster.faults import diagnose
-from rackserve.cluster.request_router import RankKey
 from rackserve.config import EngineConfig
+from rackserve.messages import Inflight, ModelInfo
 from rackserve.models import read_config
 from rackserve.placement import RACK_LABEL, TRAY_LABEL, InstanceGroup, PlacementSpec, Topology, plan
 from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
@@ -39,6 +39,9 @@ from rackserve.serve import health
 from rackserve.serve.config import INGRESS_FIELDS, ServeConfig
 from rackserve.timeouts import TIMEOUTS
 
+# what a `DeploymentClient` asks of its owner (`DeploymentOwner`): the data plane answers them for every
+# ingress replica, from its `Deployment`
+OWNER_CALLS = ("view", "members_of", "gang_failed", "gang_failure", "loads")
 HEAD_NODE = "node:__internal_head__"  # the resource only the head node has (Ray's)
 NAMESPACE = "rackserve"  # the data planes' Ray namespace, whatever namespace an ingress replica runs in
 
@@ -86,32 +89,23 @@ class Controller:
         return placed, groups
 
     # ---- what ingress replicas need -----------------------------------------------------------------------
-    def info(self) -> dict:
-        """The model's limits: vocabulary size, the context every rank takes, the checkpoint directory."""
-        return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len, "path": self.deployment.path}
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.vocab_size, self.max_model_len, self.deployment.path)
 
-    def view(self) -> dict:
-        return self.deployment.view()
-
-    def members_of(self, name: str) -> tuple[int, list]:
-        return self.deployment.members_of(name)
-
-    def gang_failed(self, name: str, generation: int, why: str) -> str:
-        return self.deployment.gang_failed(name, generation, why)
-
-    def gang_failure(self, name: str, generation: int, why: str) -> str:
-        return self.deployment.gang_failure(name, generation, why)
-
-    def loads(self) -> dict[RankKey, dict]:
-        return self.deployment.loads()
+    def owner(self, method: str, *args):
+        """`Deployment.<method>(*args)` for one of the calls a `DeploymentClient` makes of its owner
+        (`OWNER_CALLS`; see `RemoteDataPlane`)."""
+        if method not in OWNER_CALLS:
+            raise AttributeError(f"{method!r} is not a call of the deployment's owner; those are {OWNER_CALLS}")
+        return getattr(self.deployment, method)(*args)
 
     def pids(self) -> dict[str, list[int]]:
         """Every instance's member process ids (to see that an ingress change left them alone)."""
-        return {inst.name: [p["pid"] for p in inst.ping()] for inst in self.deployment.prefill + self.deployment.decode}
+        return {inst.name: [p.pid for p in inst.ping()] for inst in self.deployment.prefill + self.deployment.decode}
 
     def trays(self) -> dict[str, list[str]]:
         """Every instance's members' trays ("rack0/tray1", from their nodes' labels; "?" unlabelled)."""
-        return {inst.name: [f"{p['labels'].get(RACK_LABEL, '?')}/{p['labels'].get(TRAY_LABEL, '?')}"
+        return {inst.name: [f"{p.labels.get(RACK_LABEL, '?')}/{p.labels.get(TRAY_LABEL, '?')}"
                             for p in inst.ping()] for inst in self.deployment.prefill + self.deployment.decode}
 
     def store_pids(self) -> list[int | None]:
@@ -183,16 +177,14 @@ class Controller:
         self.reports[replica] = (inflight, draining, time.monotonic())
         return self.draining, self.ending
 
-    def inflight(self) -> dict:
-        """{"requests": in progress on the ingress replicas, "replicas": how many reported, "admitting":
-        how many of those still took new requests when they counted} over the replicas heard from in the
-        last `TIMEOUTS.replica_stale_s` (one gone stops counting then). The replicas count, not the ranks: a
+    def inflight(self) -> Inflight:
+        """The requests in progress on the ingress replicas heard from in the last
+        `TIMEOUTS.replica_stale_s` (one gone stops counting then), see `Inflight`. The replicas count, not the ranks: a
         request is theirs from admission until its last byte is written, while a rank sees it only from
         its reservation until its last token; a request being routed, prefilled or handed over, or
         whose last tokens are still on their way to the client, is invisible to the ranks' loads."""
         fresh = [r for r in list(self.reports.values()) if time.monotonic() - r[2] < TIMEOUTS.replica_stale_s]
-        return {"requests": sum(r[0] for r in fresh), "replicas": len(fresh),
-                "admitting": sum(not r[1] for r in fresh)}
+        return Inflight(requests=sum(r[0] for r in fresh), replicas=len(fresh), admitting=sum(not r[1] for r in fresh))
 
     def shutdown(self) -> None:
         self.deployment.shutdown()
@@ -223,25 +215,16 @@ class Controller:
 
 
 class RemoteDataPlane:
-    """A data plane actor seen as a `DeploymentOwner`, for a `DeploymentClient` in another process."""
+    """A data plane actor seen as a `DeploymentOwner`, for a `DeploymentClient` in another process:
+    each owner call (`OWNER_CALLS`) is one `Controller.owner` call, answered by its `Deployment`."""
 
     def __init__(self, actor):
         self.actor = actor
 
-    def view(self) -> dict:
-        return ray.get(self.actor.view.remote())
-
-    def members_of(self, name: str) -> tuple[int, list]:
-        return ray.get(self.actor.members_of.remote(name))
-
-    def gang_failed(self, name: str, generation: int, why: str) -> str:
-        return ray.get(self.actor.gang_failed.remote(name, generation, why))
-
-    def gang_failure(self, name: str, generation: int, why: str) -> str:
-        return ray.get(self.actor.gang_failure.remote(name, generation, why))
-
-    def loads(self) -> dict[RankKey, dict]:
-        return ray.get(self.actor.loads.remote())
+    def __getattr__(self, method: str):
+        if method not in OWNER_CALLS:
+            raise AttributeError(method)
+        return lambda *args: ray.get(self.actor.owner.remote(method, *args))
 
 
 def data_plane_name(config: ServeConfig, app: str) -> str:

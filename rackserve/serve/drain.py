@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import ray
 from ray import serve
 
+from rackserve.messages import Inflight
 from rackserve.serve.app import delete
 from rackserve.serve.config import ServeConfig
 from rackserve.serve.controller import NAMESPACE, data_plane_name
@@ -52,15 +53,15 @@ def stop(app: str, config: ServeConfig, timeout_s: float | None = None, hurry: C
         plane = ray.get_actor(data_plane_name(config, app), namespace=NAMESPACE)
         ray.get(plane.drain.remote(), timeout=TIMEOUTS.drain_call_s)
         counts = _settled(plane, hurry)
-        requests = counts["requests"]
-        say(f"draining {requests} request(s) on {counts['replicas']} ingress replica(s) for up to {timeout_s:g} s; "
+        requests = counts.requests
+        say(f"draining {requests} request(s) on {counts.replicas} ingress replica(s) for up to {timeout_s:g} s; "
             "new requests get 503")
-        while counts["requests"] and time.monotonic() - start < timeout_s and not hurry():
+        while counts.requests and time.monotonic() - start < timeout_s and not hurry():
             time.sleep(TIMEOUTS.drain_poll_s)
             counts = _settled(plane, hurry)
         hurried = hurry()
-        if counts["requests"]:
-            ended = counts["requests"]
+        if counts.requests:
+            ended = counts.requests
             ray.get(plane.end_requests.remote(), timeout=TIMEOUTS.drain_call_s)
             deadline = time.monotonic() + TIMEOUTS.drain_end_wait_s
             while _settled(plane, hurry)["requests"] and time.monotonic() < deadline:
@@ -80,9 +81,10 @@ def stop(app: str, config: ServeConfig, timeout_s: float | None = None, hurry: C
     return StopSummary(requests, ended, drain_s, hurried)
 
 
-def _settled(plane, hurry: Callable[[], bool]) -> dict:
+def _settled(plane, hurry: Callable[[], bool]) -> Inflight:
     """`Controller.inflight` once no replica still admits requests (each counted after it learnt of the
-    drain, or was silent long enough to be gone), or at `hurry()`; polls every `TIMEOUTS.drain_poll_s` meanwhile."""
-    while (counts := ray.get(plane.inflight.remote(), timeout=TIMEOUTS.drain_call_s))["admitting"] and not hurry():
+    drain, or was silent long enough to be gone), or at `hurry()`; polls every `TIMEOUTS.drain_poll_s`
+    meanwhile."""
+    while (counts := ray.get(plane.inflight.remote(), timeout=TIMEOUTS.drain_call_s)).admitting and not hurry():
         time.sleep(TIMEOUTS.drain_poll_s)
     return counts

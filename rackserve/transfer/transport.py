@@ -20,7 +20,7 @@ process, for tests of the P/D logic). `tests/test_kv_transport.py` pins the sema
 from __future__ import annotations
 
 import time
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -44,13 +44,6 @@ class RemoteRegion:
     device: int  # CUDA device id, 0 for host memory
     mem: str  # "DRAM" (host) or "VRAM" (GPU)
 
-    def to_wire(self) -> list:
-        return list(astuple(self))
-
-    @classmethod
-    def from_wire(cls, fields: list) -> RemoteRegion:
-        return cls(*fields)
-
 
 @dataclass(frozen=True)
 class KVReservation:
@@ -64,13 +57,6 @@ class KVReservation:
     request_id: str
     region: RemoteRegion
     expires_at: float
-
-    def to_wire(self) -> list:
-        return [self.request_id, self.region.to_wire(), self.expires_at]
-
-    @classmethod
-    def from_wire(cls, fields: list) -> KVReservation:
-        return cls(fields[0], RemoteRegion.from_wire(fields[1]), fields[2])
 
 
 @dataclass
