@@ -1,4 +1,4 @@
-"""The README's sequence for `deploy/job.py` with direct ingress (`export RAY_AUTH_MODE=token`, `ray
+"""docs/operations.md's sequence for `deploy/job.py` with direct ingress (`export RAY_AUTH_MODE=token`, `ray
 get-auth-token --generate`, `ray start --head` for direct ingress, then `ray job submit --working-dir .
 -- python deploy/job.py --config deploy/tiny-cpu.yaml --ingress direct`) against a local Ray head of
 its own starts the endpoint, which then serves completions from the replica's own HTTP server."""
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def ray_head(tmp_path):
     """A head node in its own process group (so stopping it leaves the session's cluster alone),
     every port its own, this interpreter's tools first on PATH (the job runs `python`), started as
-    the README says: token authentication on, for direct ingress on a port of its own.
+    docs/operations.md says: token authentication on, for direct ingress on a port of its own.
 
     Ray keeps the token in ~/.ray/auth_token (`ray get-auth-token --generate` writes it, `ray start`
     and `ray job submit` read it), so HOME is a directory of this test's own: the test starts, as a

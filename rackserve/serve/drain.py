@@ -64,7 +64,7 @@ def stop(app: str, config: ServeConfig, timeout_s: float | None = None, hurry: C
             ended = counts.requests
             ray.get(plane.end_requests.remote(), timeout=TIMEOUTS.drain_call_s)
             deadline = time.monotonic() + TIMEOUTS.drain_end_wait_s
-            while _settled(plane, hurry)["requests"] and time.monotonic() < deadline:
+            while _settled(plane, hurry).requests and time.monotonic() < deadline:
                 time.sleep(TIMEOUTS.drain_poll_s)
             why = "now (a second signal)" if hurried else f"at the {timeout_s:g} s drain timeout"
             say(f"ended {ended} request(s) still running {why}")
