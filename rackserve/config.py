@@ -66,6 +66,13 @@ class EngineConfig:
       step N's forward runs (on a forward thread); the tokens sampled at N reach N+1 on the device.
       Outputs are the same as without it. Not with speculative decoding yet (a step verifies the
       drafts the host took from the step before).
+    table_dir: where a node keeps its one copy of the model's host tables (DeepSeek-V4.1's Engram: FP8
+      codes and scales, 189 GiB for V4.1-Flash) that every rank of the node maps, in a multi-rank
+      deployment (`rackserve.actors.table_host`): a memory file system (tmpfs, e.g. /dev/shm, or
+      hugetlbfs), as large as the tables. A single-process `LLM` maps them from the checkpoint's files.
+    table_huge_pages: ask for 2 MB pages for the tables (`MADV_HUGEPAGE`): fewer TLB misses on their
+      random row reads, where the file system grants them (hugetlbfs, or tmpfs with `huge=` or
+      `transparent_hugepage/shmem_enabled` set to `advise`); elsewhere 4 KB pages, as without it.
     """
 
     max_num_seqs: int = 32
@@ -89,6 +96,8 @@ class EngineConfig:
     compile: str = "off"
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     async_scheduling: bool = False
+    table_dir: str = "/dev/shm"
+    table_huge_pages: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.eplb_interval, int) or self.eplb_interval < 0:
@@ -125,8 +134,12 @@ class EngineConfig:
         k = self.speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"speculative_tokens={k!r} must be an integer from 0 (off) to {MAX_SPECULATIVE_TOKENS}")
-        if not isinstance(self.async_scheduling, bool):
-            raise ConfigError(f"async_scheduling={self.async_scheduling!r} must be true or false")
+        for name in ("async_scheduling", "table_huge_pages"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
+        if not isinstance(self.table_dir, str) or not self.table_dir.startswith("/"):
+            raise ConfigError(f"table_dir={self.table_dir!r} must be an absolute path (a memory file system such "
+                              "as /dev/shm)")
         if self.async_scheduling and k:
             raise ConfigError("async_scheduling does not run with speculative decoding yet (each step verifies the "
                               "drafts the step before proposed on the host); set speculative_tokens: 0 or "

@@ -22,6 +22,10 @@ class Timeouts:
     store_busy_poll_s: float = 0.001  # a KV store's poll for landed writes while writes keep coming ...
     store_idle_poll_s: float = 0.02  # ... and once none came for `store_busy_for_s`
     store_busy_for_s: float = 1.0
+    table_watch_s: float = 2.0  # how often a node's table host looks for the processes that map its tables
+    # a table host whose tables no process has mapped (nor asked for) this long removes them and exits:
+    # longer than a gang restart takes to map them again, so a restart never re-reads them
+    table_idle_s: float = 120.0
 
     # ---- gangs (rackserve.cluster.gang_supervisor, faults) ------------------------------------------------
     gang_place_s: float = 10.0  # how long a restart waits for its placement group to hold every bundle

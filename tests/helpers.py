@@ -1,5 +1,6 @@
 """What the tests share besides fixtures: the reference configs, running a model by hand, comparing
-tokens of differently shaped runs, free ports, and the fault matrix's targets. `conftest.py` holds the
+tokens of differently shaped runs, free ports, the fault matrix's targets, and the host table sets a
+process maps. `conftest.py` holds the
 fixtures and the process settings every test runs under (it is loaded first)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import functools
 import os
 import socket
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -155,3 +157,23 @@ def assert_recovered(row, replayed: bool | None) -> None:
     assert row.ttft_after_ms <= faults.TTFT_TARGET * row.ttft_before_ms + 50, row
     assert row.push_failures_after == 0 and row.recomputed_after == 0, row  # pushes land again
     assert row.memory_back, row
+
+
+def mapped_sets(pid: int) -> dict[Path, int]:
+    """The node table sets (`rackserve.models.node_tables`) process `pid` maps, with how many of its
+    mappings lie in each (what the kernel says: /proc/<pid>/maps)."""
+    sets: dict[Path, int] = {}
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        path = line.split()[-1]
+        if "/rackserve-tables-" in path:
+            sets[Path(path).parent] = sets.get(Path(path).parent, 0) + 1
+    return sets
+
+
+def node_sets(members) -> dict[tuple[str, str], set[Path]]:
+    """(rack, tray) -> the table sets the members (`MemberPing`s) on it map."""
+    found: dict[tuple[str, str], set[Path]] = {}
+    for m in members:
+        where = (m.labels["rackserve.io/rack"], m.labels["rackserve.io/tray"])
+        found.setdefault(where, set()).update(mapped_sets(m.pid))
+    return found

@@ -1,7 +1,8 @@
 """The tiny DeepSeek-V4.1 (published layout) served: the engine's greedy outputs pass teacher forcing
 against the plain reference (chunked prefill, prefix cache), and on the session's Ray cluster a P/D
 deployment (DEP1 prefill, DEP2 decode moving its FP4 experts by EPLB, one KV store, NIXL between them)
-gives the single-process engine's tokens, a second turn reading its history from the store; the OpenAI
+gives the single-process engine's tokens with one copy of the Engram tables per node, a second turn reading
+its history from the store; the OpenAI
 endpoint serves it over HTTP and refuses an image clearly."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from helpers import assert_same_tokens, free_port, prompt
+from helpers import assert_same_tokens, free_port, node_sets, prompt
 
 from rackserve.engine import LLM, SamplingParams
 
@@ -49,6 +50,11 @@ def test_pd_deployment_with_a_kv_store_and_eplb_gives_the_single_process_tokens(
         members = [m for inst in dep.stats()["decode"] for m in inst["members"]]
         assert sum(m["kv_loaded"] for m in members) == len(prompts)  # every state was pushed
         assert members[0]["eplb_rebalances"] > 0  # FP4 experts moved while requests ran
+        # the Engram tables: one copy per node, which every rank there maps (in /dev/shm, the default)
+        ranks = [m for inst in dep.prefill + dep.decode for m in inst.ping()]
+        per_node = node_sets(ranks)
+        assert all(len(sets) == 1 for sets in per_node.values()), per_node
+        assert len({s for sets in per_node.values() for s in sets}) == len(per_node)
         # a session's second turn: its history comes back from the KV store, only the new text is prefilled
         turn1 = prompt(40, seed=71)
         [first] = dep.generate([turn1], GREEDY, sessions=["chat"])

@@ -8,6 +8,7 @@ from rackserve.engine.expert_worker import ExpertWorker
 
 class ExpertRank(GangMember):
     role = "expert rank"
+    reads_host_tables = False  # its tables stay lazily mapped from the files, never read
 
     def setup(self, spec: GangSpec, members: list) -> None:
         model, config = self._join(spec, members)

@@ -2,7 +2,8 @@
 
 A gang member joins the expert-parallel process group (Gloo on CPU, NCCL on CUDA) and the host
 collective (`rackserve.collective`), loads the model with its share of the expert slots, and runs
-`_step` in a background thread. Idle protocol: when a step's host sync shows no member with work,
+`_step` in a background thread. A model with host tables (V4.1's Engram) reads them from its
+node's one copy (`rackserve.actors.table_host`). Idle protocol: when a step's host sync shows no member with work,
 every member blocks until woken. A member that takes in work (a request, an abort, a call on its
 engine) in the first step after such an idle sync wakes every other member itself (`nudge`), so
 that all of them meet it at that step's host sync: a wake from the submitting client alone can be
@@ -26,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from rackserve import timing
+from rackserve.actors.table_host import map_node_tables
 from rackserve.collective import join
 from rackserve.config import EngineConfig
 from rackserve.messages import MemberPing
-from rackserve.models import load_model
+from rackserve.models import host_tables, load_model
 from rackserve.models.interface import ServingModel
 from rackserve.transfer.ep import ExpertParallel
 
@@ -60,6 +62,9 @@ class GangSpec:
 
 class GangMember:
     role = "member"
+    # whether the member's forward reads the model's host tables (V4.1's Engram), from its node's one copy
+    # (`rackserve.actors.table_host`); an expert rank holds only experts
+    reads_host_tables = True
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
@@ -92,8 +97,10 @@ class GangMember:
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)
         self.gang = join(tuple(spec.rendezvous_at), self.rank, self.world_size, spec.secret, timeout=spec.timeout)
         ep = ExpertParallel(spec.slots_per_rank, expert_ranks=range(*spec.expert_ranks))
+        tables = host_tables(spec.checkpoint) if self.reads_host_tables else []
+        extra = {"host_tensors": map_node_tables(tables, config)} if tables else {}
         model = load_model(spec.checkpoint, dtype=config.dtype, device=config.device, weights=config.weights,
-                           shard=(ep, torch.tensor(spec.phy2log)))
+                           shard=(ep, torch.tensor(spec.phy2log)), **extra)
         return model, config
 
     def _start(self) -> None:

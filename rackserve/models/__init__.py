@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rackserve.config import ConfigError
+from rackserve.models.checkpoint import StoredTensor
 from rackserve.models.interface import ModelFamily, ModelSpec, ServingModel
 from rackserve.models.state import PagedState
 
@@ -96,6 +97,13 @@ def load_model(path: str | Path, **kwargs) -> ServingModel:
     """The model of the checkpoint at `path` with its weights; `kwargs` as the family's loader takes them
     (`dtype`, `device`, `weights`: "stored" | "dequantize", `shard`: (expert-parallel transport, phy2log))."""
     return family_of(read_config_json(path)).load(path, **kwargs)
+
+
+def host_tables(path: str | Path) -> list[StoredTensor]:
+    """The tensors of the checkpoint at `path` its family serves from host memory (V4.1's Engram tables);
+    empty for a family without any."""
+    found = family_of(read_config_json(path)).host_tables
+    return found(Path(path)) if found else []
 
 
 BUILT_IN = ("tiny", "tiny-code")  # model names `resolve` knows besides checkpoint directories

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from rackserve.models.checkpoint import StoredTensor
 from rackserve.models.moe import RoutedMoE
 from rackserve.models.reply import ReplyFormat
 from rackserve.models.state import PagedState, RequestState
@@ -155,8 +157,10 @@ class ModelFamily:
     dtype, device, draft_layers, state_dtype) -> PagedState`, see `rackserve.models.new_state`), its
     model class (`model_class(config)`, what memory estimates build on the meta device), for a family
     whose checkpoints ship no jinja chat template its own chat encoding (`chat(messages, tools=…,
-    thinking=…, reasoning_effort=…, response_format=…) -> prompt text`, BOS included), and how its
-    replies mark reasoning and tool calls (`reply`, for reply parsing)."""
+    thinking=…, reasoning_effort=…, response_format=…) -> prompt text`, BOS included), how its
+    replies mark reasoning and tool calls (`reply`, for reply parsing), and for a family with tables
+    read from host memory (V4.1's Engram) which tensors those are (`host_tables(path) ->
+    list[StoredTensor]`; `load` then takes them as `host_tensors`, the node's shared copy)."""
 
     model_type: str
     config_from_dict: Callable[[dict], ModelSpec]
@@ -165,3 +169,4 @@ class ModelFamily:
     model_class: type | None = None
     chat: Callable[..., str] | None = None
     reply: ReplyFormat | None = None
+    host_tables: Callable[[Path], list[StoredTensor]] | None = None

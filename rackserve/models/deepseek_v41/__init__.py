@@ -9,7 +9,7 @@ from pathlib import Path
 from rackserve.models import register
 from rackserve.models.deepseek_v4.chat import V41, encode_chat
 from rackserve.models.deepseek_v41.config import ModelConfig
-from rackserve.models.deepseek_v41.loader import load_model
+from rackserve.models.deepseek_v41.loader import host_tables, load_model
 from rackserve.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from rackserve.models.deepseek_v41.state import ModelState
 from rackserve.models.interface import ModelFamily
@@ -18,6 +18,7 @@ from rackserve.models.reply import DEEPSEEK_V41
 FLASH_CONFIG = Path(__file__).parent / "flash_config.json"
 
 register(ModelFamily("deepseek_v41", ModelConfig.from_dict, load_model, ModelState, DeepseekV41ForCausalLM,
-                     chat=functools.partial(encode_chat, V41), reply=DEEPSEEK_V41))
+                     chat=functools.partial(encode_chat, V41), reply=DEEPSEEK_V41,
+                     host_tables=host_tables))
 
 __all__ = ["FLASH_CONFIG", "DeepseekV41ForCausalLM", "ModelConfig", "load_model"]

@@ -3,7 +3,7 @@
 embed -> `hc_mult` copies -> blocks (`decoder.Block`: Engram, attention, MoE in a delayed mHC) ->
 collapse with the last MoE's weights -> norm -> head. Module names follow V4's (`model.layers.N.self_attn…`,
 see `checkpoint_names.V41_NAMES` for DeepSeek's). The Engram tables are not parameters: the loader
-maps them from the checkpoint files into `engram_tables` (host memory, one object per process), and
+maps them into `engram_tables` (host memory: from the checkpoint files, or the node's one shared copy), and
 `ngram` computes which of their rows each token reads. The DSpark draft stages (`mtp.*`) are not
 served yet. This is the family's `ServingModel` (`rackserve.models.interface`).
 """
