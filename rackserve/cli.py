@@ -121,8 +121,8 @@ def _memory(args: argparse.Namespace) -> int:
     print(f"weights per GPU, GiB; model: {source}")
     print(format_report(rows))
     if host:
-        print(f"\nEngram tables in host memory: {host / GIB:.1f} GiB per node (FP8 rows as stored, memory-mapped "
-              "from the checkpoint: the node's ranks share one copy in the page cache; never on the GPU)")
+        print(f"\nEngram tables in host memory: {host / GIB:.1f} GiB per node (FP8 rows as stored: one copy in the "
+              "node's table_dir, /dev/shm by default, that every rank there maps; never on the GPU)")
     print(f"\nrequest state (bf16 activations; published V4.1-Flash: {PUBLISHED_STATE_BYTES_PER_TOKEN} bytes/token), "
           "and the decode batch a rank of the config fits beside its FP8+FP4 weights:")
     print(format_state_report(state))
