@@ -68,8 +68,8 @@ class EngineConfig:
       drafts the host took from the step before).
     table_dir: where a node keeps its one copy of the model's host tables (DeepSeek-V4.1's Engram: FP8
       codes and scales, 189 GiB for V4.1-Flash) that every rank of the node maps, in a multi-rank
-      deployment (`rackserve.actors.table_host`): a memory file system (tmpfs, e.g. /dev/shm, or
-      hugetlbfs), as large as the tables. A single-process `LLM` maps them from the checkpoint's files.
+      deployment (`rackserve.actors.table_host`): a node-local memory file system (tmpfs, e.g. /dev/shm,
+      or hugetlbfs), as large as the tables. A single-process `LLM` maps them from the checkpoint's files.
     table_huge_pages: ask for 2 MB pages for the tables (`MADV_HUGEPAGE`): fewer TLB misses on their
       random row reads, where the file system grants them (hugetlbfs, or tmpfs with `huge=` or
       `transparent_hugepage/shmem_enabled` set to `advise`); elsewhere 4 KB pages, as without it.

@@ -360,3 +360,16 @@ def test_the_load_skips_what_text_serving_does_not_read_and_maps_the_tables(mode
         assert table.codes.dtype == torch.float8_e4m3fn and table.scales.dtype == torch.float8_e8m0fnu
         ptr = table.codes.data_ptr()
         assert any(lo <= ptr < hi for lo, hi in spans)
+
+
+def test_a_bf16_engram_lookup_is_the_fp32_one_rounded():
+    """Dequantizing in bf16 is exact: an FP8 code's 3 mantissa bits times a power-of-two scale."""
+    from rackserve.models.deepseek_v41.engram import EngramTable
+
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (500, 64), dtype=torch.uint8, generator=gen)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the NaN codes
+    scales = torch.randint(100, 150, (500, 2), dtype=torch.uint8, generator=gen).view(torch.float8_e8m0fnu)
+    table = EngramTable(codes.view(torch.float8_e4m3fn), scales)
+    rows = torch.randint(0, 500, (30, 7), generator=gen)
+    assert torch.equal(table.lookup(rows, torch.bfloat16), table.lookup(rows, torch.float32).to(torch.bfloat16))

@@ -24,7 +24,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rackserve.config import ConfigError, EngineConfig
-from rackserve.models.checkpoint import StoredTensor
+from rackserve.models.checkpoint import CheckpointError, StoredTensor
 from rackserve.models.node_tables import NodeTables, alive, mappers, sweep
 from rackserve.timeouts import TIMEOUTS
 
@@ -84,14 +84,19 @@ def map_node_tables(tensors: list[StoredTensor], config: EngineConfig) -> dict[s
     node = ray.get_runtime_context().get_node_id()
     tables = NodeTables(config.table_dir, node, tuple(tensors))
     # threaded: the node's other ranks (and `stats`) wait on the lock while the first one's copy runs
-    host = ray.remote(TableHost).options(
-        name=tables.directory.name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", max_restarts=-1,
-        max_concurrency=8, num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-    ).remote(tables, config.table_huge_pages)
-    try:
-        ray.get(host.open.remote(os.getpid()))
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, ConfigError):
-            raise e.cause from None
-        raise
+    options = {"name": tables.directory.name, "namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached",
+               "max_restarts": -1, "max_concurrency": 8, "num_cpus": 0,
+               "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+    for attempt in range(2):
+        host = ray.remote(TableHost).options(**options).remote(tables, config.table_huge_pages)
+        try:
+            ray.get(host.open.remote(os.getpid()))
+            break
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, (ConfigError, CheckpointError)):  # no room, a truncated file: say it as it is
+                raise e.cause from None
+            raise
+        except ray.exceptions.RayActorError:  # it ended, idle, as this rank asked: its successor is made
+            if attempt:
+                raise
     return tables.map(config.table_huge_pages)

@@ -42,7 +42,7 @@ _DTYPE_NAMES = {dtype: name for name, dtype in FILE_DTYPES.items()}
 @dataclass(frozen=True)
 class NodeTables:
     """The set of `tensors` (their names, files, shapes and dtypes in the checkpoint) for `node`
-    under `root`. Its name is derived from both (`directory`)."""
+    under `root`. Its name is derived from all three (`directory`)."""
 
     root: str
     node: str
@@ -92,7 +92,9 @@ class NodeTables:
 
     def adopt(self) -> None:
         """Become the owner of an existing set (a restarted owner takes over what its predecessor made)."""
-        (self.directory / OWNER).write_text(str(os.getpid()))
+        mine = self.directory / f".{OWNER}-{os.getpid()}"
+        mine.write_text(str(os.getpid()))
+        mine.replace(self.directory / OWNER)  # at once: a sweep never reads a half-written owner
 
     def map(self, huge_pages: bool = False) -> dict[str, torch.Tensor]:
         """Every tensor of the set by its checkpoint name, mapped from the node's one copy: shared and
