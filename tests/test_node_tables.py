@@ -122,7 +122,8 @@ def test_a_set_is_named_by_its_node_its_root_and_its_files(tables, v41_checkpoin
 
 def test_sweep_removes_what_dead_owners_left_and_keeps_the_rest(tables):
     tables.publish()
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
     dead_pid = gone.stdout.strip()
     dead = Path(tables.root) / "rackserve-tables-deadnode-0123"
     dead.mkdir()

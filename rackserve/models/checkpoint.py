@@ -11,6 +11,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -72,16 +73,23 @@ def mapped_tensor(file: Path, name: str) -> torch.Tensor:
     cache's, so every process of a node that maps the same file shares them."""
     try:
         with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            info = json.loads(f.read(length))[name]
+            offset, size, info = stored_span(f, name)
             mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except (OSError, KeyError, ValueError, struct.error) as e:
         raise CheckpointError(f"cannot map tensor {name} of {file}: {e}; the file is truncated or not safetensors") \
             from None
     mapping.madvise(mmap.MADV_RANDOM)
-    start, end = info["data_offsets"]
-    data = torch.frombuffer(mapping, dtype=torch.uint8, offset=8 + length + start, count=end - start)
+    data = torch.frombuffer(mapping, dtype=torch.uint8, offset=offset, count=size)
     return data.view(FILE_DTYPES[info["dtype"]]).view(info["shape"])
+
+
+def stored_span(f: BinaryIO, name: str) -> tuple[int, int, dict]:
+    """Where tensor `name`'s bytes lie in the safetensors file open as `f` (read from its start): their
+    offset from the file's start and their count, bytes, and its header entry (dtype, shape)."""
+    (length,) = struct.unpack("<Q", f.read(8))
+    info = json.loads(f.read(length))[name]
+    start, end = info["data_offsets"]
+    return 8 + length + start, end - start, info
 
 
 def open_safetensors(file: Path):

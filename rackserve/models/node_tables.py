@@ -18,10 +18,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import mmap
 import os
 import shutil
-import struct
 import time
 import warnings
 from dataclasses import dataclass
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from rackserve.config import ConfigError
-from rackserve.models.checkpoint import FILE_DTYPES, CheckpointError, StoredTensor
+from rackserve.models.checkpoint import FILE_DTYPES, CheckpointError, StoredTensor, stored_span
 
 PREFIX = "rackserve-tables-"
 OWNER = "owner"  # the owning process's pid, a file of every set
@@ -162,10 +162,7 @@ def _file_name(t: StoredTensor) -> str:
 
 
 def _nbytes(t: StoredTensor) -> int:
-    count = 1
-    for n in t.shape:
-        count *= n
-    return count * t.dtype.itemsize
+    return math.prod(t.shape) * t.dtype.itemsize
 
 
 def _copy(t: StoredTensor, out: Path, huge_pages: bool) -> None:
@@ -173,11 +170,10 @@ def _copy(t: StoredTensor, out: Path, huge_pages: bool) -> None:
     `out` (hugetlbfs files can only be written that way), in `CHUNK`-sized sequential reads."""
     size = _nbytes(t)
     with open(t.file, "rb") as src:
-        (length,) = struct.unpack("<Q", src.read(8))
-        start, end = json.loads(src.read(length))[t.name]["data_offsets"]
-        if end - start != size:
-            raise CheckpointError(f"{t.name} in {t.file} holds {end - start} bytes, not the {size} of its shape")
-        src.seek(8 + length + start)
+        offset, stored, _ = stored_span(src, t.name)
+        if stored != size:
+            raise CheckpointError(f"{t.name} in {t.file} holds {stored} bytes, not the {size} of its shape")
+        src.seek(offset)
         with open(out, "w+b") as dst:
             dst.truncate(-(-size // HUGE_PAGE) * HUGE_PAGE if huge_pages else max(size, 1))
             with mmap.mmap(dst.fileno(), 0) as mapping:
