@@ -70,6 +70,13 @@ class EngineConfig:
       codes and scales, 189 GiB for V4.1-Flash) that every rank of the node maps, in a multi-rank
       deployment (`rackserve.actors.table_host`): a node-local memory file system (tmpfs, e.g. /dev/shm,
       or hugetlbfs), as large as the tables. A single-process `LLM` maps them from the checkpoint's files.
+    bounded_replay: DeepSeek-V4.1's bounded decoder replay, as DeepSeek and vLLM serve it (the default
+      for a family that has it; `true` elsewhere is refused): in a prefill, the last KV-source layer
+      writes its window, entries and keys for every token, then it and the layers above run on each
+      request's last `sliding_window` tokens only; a prefix hit needs no window snapshot: it recomputes
+      its last min(window, hit) tokens, reading the cached entries. An approximation (the kept tokens'
+      windows in those layers, and the recomputed tokens', start where computing started; measured
+      in `rackserve.bench.bounded_replay`); `false` runs every layer on every token, exactly.
     table_huge_pages: ask for 2 MB pages for the tables (`MADV_HUGEPAGE`): fewer TLB misses on their
       random row reads, where the file system grants them (hugetlbfs, or tmpfs with `huge=` or
       `transparent_hugepage/shmem_enabled` set to `advise`); elsewhere 4 KB pages, as without it.
@@ -98,6 +105,7 @@ class EngineConfig:
     async_scheduling: bool = False
     table_dir: str = "/dev/shm"
     table_huge_pages: bool = False
+    bounded_replay: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.eplb_interval, int) or self.eplb_interval < 0:
@@ -137,6 +145,9 @@ class EngineConfig:
         for name in ("async_scheduling", "table_huge_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
+        if not (self.bounded_replay is None or isinstance(self.bounded_replay, bool)):
+            raise ConfigError(f"bounded_replay={self.bounded_replay!r} must be true, false, or omitted for the model's "
+                              "default")
         if not isinstance(self.table_dir, str) or not self.table_dir.startswith("/"):
             raise ConfigError(f"table_dir={self.table_dir!r} must be an absolute path (a memory file system such "
                               "as /dev/shm)")
@@ -158,5 +169,9 @@ class EngineConfig:
             )
         if self.speculative_tokens:
             model.check_speculation(self.speculative_tokens)
+        if self.bounded_replay and not model.replay_window:
+            raise ConfigError(f"bounded_replay: the {model.model_type} model has no bounded replay (DeepSeek-V4.1's); "
+                              "set bounded_replay: false or leave it out")
         return replace(self, block_size=block, max_model_len=max_len, dtype=self.dtype or model.dtype,
+                       bounded_replay=bool(model.replay_window) if self.bounded_replay is None else self.bounded_replay,
                        prefix_snapshots=self.max_num_seqs if self.prefix_snapshots is None else self.prefix_snapshots)

@@ -28,6 +28,7 @@ from rackserve.models.deepseek_v41.attention import candidate_blocks
 from rackserve.models.deepseek_v41.config import ModelConfig
 from rackserve.models.deepseek_v41.engram import NgramHash, build_token_map, engram_layout, is_prime
 from rackserve.models.deepseek_v41.tiny import TINY_TEXT_CONFIG
+from rackserve.models.state import RequestState
 from rackserve.models.tokenizer import train_byte_bpe
 
 ATOL = 1e-4
@@ -163,7 +164,7 @@ def test_engram_hash_against_hand_computed_rows():
                                                  "vocab_size": 10}})
     cache_state = models.new_state(cfg, 1, 4, 4)
     cache_state.lookback, cache_state.lookback_ids = 4, torch.zeros(1, 4, 1, dtype=torch.int32)
-    handle = type("H", (), {"slot": 0, "pages": [0, 1, 2], "num_tokens": 0})()
+    handle = RequestState(slot=0, pages=[0, 1, 2])
     ids = [5, 1, 8, 3, 9]
     batch = ForwardBatch.build(cache_state, [(handle, ids)])
     rows = hasher(batch.input_ids, batch.lookback, cache_state.lookback_ids, batch.lookback_write)
@@ -178,8 +179,8 @@ def test_engram_hash_against_hand_computed_rows():
                 rolling ^= grams[i] * mult[i]
                 want += [rolling % primes[(i - 1) * 2 + h] + offsets[(i - 1) * 2 + h] for h in range(2)]
             assert rows[layer, p].tolist() == want, (layer, p)
-    # the lookback ring keeps the last 4 compressed ids: a next chunk continues the n-grams
-    assert sorted(cache_state.lookback_ids[0, :, 0].tolist()) == sorted(token_map[t] for t in ids[1:])
+    # the lookback ring keeps the last 4 token ids: a next chunk continues the n-grams
+    assert sorted(cache_state.lookback_ids[0, :, 0].tolist()) == sorted(ids[1:])
 
 
 def test_primes_are_the_next_unused_ones():
@@ -221,7 +222,7 @@ def test_csa2_pooling_by_hand():
                 p.normal_()
         cfg = ModelConfig.from_dict({"text_config": {**TINY_TEXT_CONFIG, "engram_layer_ids": []}})
         state = models.new_state(cfg, 1, 4, 4)
-        handle = type("H", (), {"slot": 0, "pages": [0, 1], "num_tokens": 0})()
+        handle = RequestState(slot=0, pages=[0, 1])
         batch = ForwardBatch.build(state, [(handle, list(range(6)))])
         entries = torch.zeros(8, 8)
         ring = torch.zeros(1, 4, 16) if rate > 1 else None

@@ -1,9 +1,9 @@
-"""The tiny DeepSeek-V4.1 (published layout) served: the engine's greedy outputs pass teacher forcing
+"""The tiny DeepSeek-V4.1 (published layout) served: the engine's exact greedy outputs pass teacher forcing
 against the plain reference (chunked prefill, prefix cache), and on the session's Ray cluster a P/D
 deployment (DEP1 prefill, DEP2 decode moving its FP4 experts by EPLB, one KV store, NIXL between them)
-gives the single-process engine's tokens with one copy of the Engram tables per node, a second turn reading
-its history from the store; the OpenAI
-endpoint serves it over HTTP and refuses an image clearly."""
+gives the single-process engine's tokens (both with bounded replay, the default) with one copy of the
+Engram tables per node, a second turn reading its history from the store; the OpenAI endpoint serves it
+over HTTP and refuses an image clearly."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "kv_timeout_s": 60.0}
 
 def test_engine_greedy_outputs_pass_teacher_forcing_against_the_reference(v41_checkpoint, v41_reference):
     """Chunked prefill (prompts beyond the step's token budget), ragged batches, and a second round whose
-    prompts extend the first's, served from the prefix cache."""
-    llm = LLM(v41_checkpoint, max_num_batched_tokens=48, max_num_seqs=4, prefix_snapshots=64)
+    prompts extend the first's, served from the prefix cache; the exact path (bounded replay off: the
+    reference runs every layer on every token)."""
+    llm = LLM(v41_checkpoint, max_num_batched_tokens=48, max_num_seqs=4, prefix_snapshots=64, bounded_replay=False)
     prompts = [prompt(n, seed=40 + n) for n in (90, 7, 33, 121)]
     first = [c.token_ids for c in llm.generate(prompts, GREEDY)]
     assert_same_tokens(v41_checkpoint, prompts, first, [[-1] * 16] * 4, GREEDY, teacher=v41_reference.logits)

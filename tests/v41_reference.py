@@ -492,15 +492,30 @@ class ReferenceV41:
     # --- forward -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """[len(token_ids), vocab] fp32 logits of one forward; position i sees tokens 0..i."""
+    def logits(self, token_ids: list[int], replay: dict | None = None) -> torch.Tensor:
+        """[len(token_ids), vocab] fp32 logits of one forward; position i sees tokens 0..i.
+
+        `replay`: the bounded replay of DeepSeek's serving, as keys `window_from`, `kept_from`, `entries_until`:
+        a position p ≥ window_from sees no window row below window_from in any layer (the tokens a prefix
+        hit recomputes start there); in the layers above the last KV source, p ≥ kept_from sees none below
+        kept_from (they ran on the prefill's last rows only); the compressed entries and index keys of
+        groups ending before entries_until are those of the exact forward (they were cached from it).
+        """
         cfg, w = self.cfg, self.w
         T, hc = len(token_ids), cfg.hc_mult
         ids = torch.tensor(token_ids, dtype=torch.long)
         streams = w["embed.weight"][ids][:, None, :].repeat(1, hc, 1)  # [T, hc, D]
         pre = torch.zeros(T, hc)
         pre[:, 0] = 1.0  # layer 0's attention reads stream 0
-        shared = {"entries": {}, "index_keys": {}, "selection": {}, "candidates": None}
+        shared = {"entries": {}, "index_keys": {}, "selection": {}, "candidates": None, "replay": replay}
+        if replay is not None and replay.get("entries_until"):
+            exact = {"entries": {}, "index_keys": {}, "selection": {}, "candidates": None, "replay": None}
+            self._run(token_ids, streams, pre, exact)
+            shared["exact"] = exact
+        return self._run(token_ids, streams, pre, shared)
+
+    def _run(self, token_ids: list[int], streams: torch.Tensor, pre: torch.Tensor, shared: dict) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
         for layer in range(cfg.num_hidden_layers):
             p = f"layers.{layer}."
             if self.engram is not None and layer in self.engram:
@@ -581,6 +596,11 @@ class ReferenceV41:
                     k = latent @ w[p + "indexer.wk.weight"].T
                     k = rms_norm(k, w[p + "indexer.k_norm.weight"], cfg.rms_norm_eps)
                     shared["index_keys"][layer] = rope(k, entry_pos, freqs)
+                if "exact" in shared:  # the cached groups' entries and keys, as the exact forward made them
+                    n = shared["replay"]["entries_until"] // ratio
+                    for kind in ("entries", "index_keys"):
+                        if layer in shared[kind]:
+                            shared[kind][layer][:n] = shared["exact"][kind][layer][:n]
             source = cfg.latest(cfg.kv_source_layer_ids, layer)
             assert cfg.compress_ratios[source] == ratio, f"layer {layer} reads KV of layer {source} with another ratio"
             entries = shared["entries"][source]
@@ -590,8 +610,13 @@ class ReferenceV41:
 
         out = torch.empty(T, H, hd)
         sink = w[p + "attn_sink"]
+        replay = shared["replay"] or {}
+        floors = [replay.get("window_from", 0)]
+        if layer > max(cfg.kv_source_layer_ids) and replay.get("kept_from") is not None:
+            floors.append(replay["kept_from"])
         for t in range(T):
-            keys = kv[max(0, t - cfg.sliding_window + 1) : t + 1]
+            lo = max([t - cfg.sliding_window + 1, 0] + [f for f in floors if t >= f])
+            keys = kv[lo : t + 1]
             if ratio and selection[t]:
                 keys = torch.cat([keys, entries[selection[t]]])
             scores = (q[t] @ keys.T) * hd**-0.5  # [H, n]

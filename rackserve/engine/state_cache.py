@@ -12,7 +12,10 @@ owns what:
   also needs its slot's rows at the prefix's end (V4: window and carry): a **snapshot** of a slot,
   taken whenever a request's state sits exactly on a block boundary (the runner arranges that at
   the end of each prefill). A lookup therefore returns the longest chain of cached blocks that ends
-  in a block with a snapshot.
+  in a block with a snapshot. With bounded replay (DeepSeek-V4.1, `PagedState.replay_window` W) every
+  cached block is a usable hit: without a snapshot at the hit's end h, the request recomputes its last
+  min(W, h) tokens to rebuild the windows (their entries stay as cached, the Engram lookback is
+  written from the token ids), an approximation of the exact state that DeepSeek serves with.
 * Pages are reference-counted (holding requests + 1 for the cache); a cached block nobody holds is
   evictable, least recently used first, when a request needs memory.
 * `fork(handle)` gives a new request a copy of a running one's state, copy-on-write: the slot is
@@ -53,6 +56,7 @@ class CacheStats:
     lookups: int = 0
     hits: int = 0  # lookups that reused at least one block
     hit_tokens: int = 0  # prompt tokens whose prefill was skipped
+    replayed_tokens: int = 0  # cached tokens recomputed to rebuild windows (bounded replay)
     evictions: int = 0
     snapshots: int = 0
 
@@ -66,12 +70,13 @@ class StateCache:
     def __init__(self, config: ModelSpec, block_size: int, max_requests: int, budget_bytes: int,
                  prefix_caching: bool = True, max_snapshots: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", draft_layers: int = 0,
-                 state_dtype: str = "auto"):
+                 state_dtype: str = "auto", bounded_replay: bool = False):
         """Size the memory from `budget_bytes`: `max_requests + max_snapshots` slots, pages for the rest.
         `draft_layers`: 1 to hold the draft model's state too (speculative decoding); `state_dtype`: how
-        the family stores what it may quantise (`EngineConfig.state_dtype`)."""
+        the family stores what it may quantise (`EngineConfig.state_dtype`); `bounded_replay` as
+        `EngineConfig.bounded_replay`."""
         max_snapshots = (max_requests if max_snapshots is None else max_snapshots) if prefix_caching else 0
-        probe = new_state(config, 1, 1, block_size, dtype, "meta", draft_layers, state_dtype)
+        probe = new_state(config, 1, 1, block_size, dtype, "meta", draft_layers, state_dtype, bounded_replay)
         slots = max_requests + max_snapshots
         slot_bytes, page_bytes = probe.slot_bytes, probe.page_bytes
         rest = budget_bytes - slots * slot_bytes
@@ -82,7 +87,8 @@ class StateCache:
                 f"{slot_bytes / 2**20:.2f} MiB plus pages of {page_bytes / 2**20:.3f} MiB; raise the state "
                 "memory or lower max_num_seqs / prefix_snapshots"
             )
-        self.state = new_state(config, slots, int(pages), block_size, dtype, device, draft_layers, state_dtype)
+        self.state = new_state(config, slots, int(pages), block_size, dtype, device, draft_layers, state_dtype,
+                               bounded_replay)
         self.block_size, self.max_snapshots, self.prefix_caching = block_size, max_snapshots, prefix_caching
         self.stats = CacheStats()
         self._free_slots = list(range(slots - 1, -1, -1))
@@ -124,7 +130,8 @@ class StateCache:
         """A slot for a new request, primed with the longest cached prefix of `token_ids`.
 
         At least the last token is always left to compute (its logits are needed). None if no slot
-        can be had. The handle's `num_tokens` says how many tokens the prefix cache covered.
+        can be had. The handle's `num_tokens` says how many tokens the prefix cache covered (under
+        bounded replay, up to the window's worth fewer than the hit: those are recomputed).
         """
         slot = self._take_slot()
         if slot is None:
@@ -133,17 +140,26 @@ class StateCache:
         if self.prefix_caching and token_ids:
             self.stats.lookups += 1
             chain, best = self._lookup(token_ids[:-1])
-            if best >= 0:
-                for h in chain[: best + 1]:
+            use = len(chain) - 1 if self.state.replay_window else best
+            if use >= 0:
+                for h in chain[: use + 1]:
                     block = self._blocks[h]
                     self._ref_page(block.page)
                     handle.pages.append(block.page)
                     self._evictable.pop(h, None)
-                snapshot = self._blocks[chain[best]].snapshot
+                handle.block_hashes = chain[: use + 1]
+                hit = (use + 1) * self.block_size
+                snapshot = self._blocks[chain[use]].snapshot
                 self.fence()
-                self.state.copy_slot(snapshot, slot)
-                handle.block_hashes = chain[: best + 1]
-                handle.num_tokens = (best + 1) * self.block_size
+                if snapshot is not None:
+                    self.state.copy_slot(snapshot, slot)
+                    handle.num_tokens = hit
+                else:  # bounded replay: rebuild the windows from the hit's last tokens
+                    start = hit - min(self.state.replay_window, hit)
+                    self.state.prime(slot, token_ids, start)
+                    handle.num_tokens = handle.window_from = start
+                    handle.entries_until = hit
+                    self.stats.replayed_tokens += hit - start
                 self.stats.hits += 1
                 self.stats.hit_tokens += handle.num_tokens
         return handle
@@ -157,8 +173,10 @@ class StateCache:
             return None
         n = handle.num_tokens
         used = self.pages_for(n)
-        full = min(used, n // self.block_size)
-        child = CacheHandle(slot=slot, num_tokens=n, block_hashes=list(handle.block_hashes))
+        # full blocks: the cached ones a replayed prefix still recomputes besides (`entries_until`)
+        full = max(min(used, n // self.block_size), handle.entries_until // self.block_size)
+        child = CacheHandle(slot=slot, num_tokens=n, block_hashes=list(handle.block_hashes),
+                            window_from=handle.window_from, entries_until=handle.entries_until)
         if used > full and not self.reserve(child, 1):  # one page, for the copy of the partial block
             self._free_slots.append(slot)
             return None
@@ -225,7 +243,8 @@ class StateCache:
             if h not in self._blocks:
                 self._blocks[h] = _Block(page=handle.pages[i])
                 self._ref_page(handle.pages[i])
-        if full and handle.num_tokens == full * b:
+        # a replayed prefix (bounded replay) passes boundaries whose blocks are cached already
+        if full and handle.num_tokens == full * b and full == len(handle.block_hashes):
             block = self._blocks[handle.block_hashes[-1]]
             if block.snapshot is None and self._num_snapshots >= self.max_snapshots:
                 self._evict_snapshot()  # the newest boundary is the likeliest to be resumed

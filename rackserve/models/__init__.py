@@ -84,13 +84,20 @@ def read_config(path: str | Path) -> ModelSpec:
 
 
 def new_state(config: ModelSpec, num_slots: int, num_pages: int, block_size: int, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu", draft_layers: int = 0, state_dtype: str = "auto") -> PagedState:
+              device: torch.device | str = "cpu", draft_layers: int = 0, state_dtype: str = "auto",
+              bounded_replay: bool = False) -> PagedState:
     """State memory of `config`'s family for `num_slots` requests and `num_pages` pages of `block_size`
-    tokens (`draft_layers`: 1 to hold the draft model's state too); `state_dtype` as
-    `EngineConfig.state_dtype`. A family that cannot (no draft model, a dtype it does not hold) raises
-    saying what to change."""
-    return family(config.model_type).new_state(config, num_slots, num_pages, block_size, dtype, device, draft_layers,
-                                               state_dtype)
+    tokens (`draft_layers`: 1 to hold the draft model's state too); `state_dtype` and `bounded_replay` as
+    `EngineConfig`'s. A family that cannot (no draft model, a dtype it does not hold, no bounded replay)
+    raises saying what to change."""
+    state = family(config.model_type).new_state(config, num_slots, num_pages, block_size, dtype, device,
+                                                draft_layers, state_dtype)
+    if bounded_replay:
+        if not config.replay_window:
+            raise ConfigError(f"bounded_replay: the {config.model_type} model has no bounded replay (DeepSeek-V4.1's); "
+                              "set bounded_replay: false")
+        state.replay_window = config.replay_window
+    return state
 
 
 def load_model(path: str | Path, **kwargs) -> ServingModel:

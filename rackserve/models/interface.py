@@ -36,6 +36,11 @@ class ModelSpec(Protocol):
     dtype: str  # the checkpoint's compute dtype ("bfloat16", …)
 
     @property
+    def replay_window(self) -> int:
+        """Tokens bounded replay recomputes after a prefix hit and keeps past the last KV source in a
+        prefill (DeepSeek-V4.1's sliding window); 0 for a family without it."""
+
+    @property
     def min_block_size(self) -> int:
         """The smallest block of tokens a page may hold (block sizes are multiples of it)."""
 

@@ -19,11 +19,18 @@ import torch
 
 @dataclass
 class RequestState:
-    """A request's handle into a state: its slot, its pages and how many tokens they hold."""
+    """A request's handle into a state: its slot, its pages and how many tokens they hold.
+
+    After a prefix hit that rebuilds the windows by bounded replay (`PagedState.replay_window`), the
+    slot holds no window rows below `window_from`, and the pages already hold every compressed entry
+    completed before `entries_until` (the cached blocks'), which the replayed tokens do not rewrite;
+    both 0 otherwise."""
 
     slot: int
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    window_from: int = 0
+    entries_until: int = 0
 
 
 @dataclass
@@ -52,6 +59,10 @@ class PagedState:
     block_size: int
     device: torch.device
     uses_pages: bool
+    # bounded replay (DeepSeek-V4.1): a prefix hit recomputes its last `replay_window` tokens to rebuild
+    # the windows instead of reading a snapshot, and a prefill's layers from the last KV source on run
+    # on each request's last `replay_window` tokens only; 0: every layer runs on every token (exact)
+    replay_window: int = 0
 
     def pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The slot-indexed and the page-indexed tensors, in export order."""
@@ -98,6 +109,10 @@ class PagedState:
         for dst, src in zip(page_t, blob.tensors[len(slot_t):]):
             dst.index_copy_(0, index[: src.shape[0]], src.to(dst.dtype))
         req.num_tokens = blob.num_tokens
+
+    def prime(self, slot: int, token_ids: list[int], start: int) -> None:
+        """Write what slot `slot` must hold of the tokens before position `start` to continue there
+        without a snapshot (`token_ids`: at least the first `start`); nothing for most layouts."""
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy slot `src`'s rows into slot `dst`, for every slot tensor."""

@@ -143,15 +143,22 @@ class SinkAttention(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
         """x `[T, hidden]` -> (q `[T, H, hd]`, kv `[T, hd]` (K = V), q_residual `[T, q_lora_rank]`, cos, sin),
         q and kv rotated at `positions`."""
+        q, q_residual, cos, sin = self.queries(x, positions, rotary)
+        return q, self.window_rows(x, cos, sin), q_residual, cos, sin
+
+    def queries(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
+        """x `[T, hidden]` -> (q `[T, H, hd]` rotated at `positions`, q_residual `[T, q_lora_rank]`, cos, sin)."""
         t = x.shape[0]
         cos, sin = rotary.cos_sin(positions, x.dtype)
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(t, self.heads, self.head_dim)
         if self.q_norm:
             q = unweighted_rms_norm(q, self.eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
-        return q, kv, q_residual, cos, sin
+        return apply_rope(q, cos, sin), q_residual, cos, sin
+
+    def window_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x `[T, hidden]` -> the window's rows `[T, hd]` (K = V), rotated as `cos`, `sin` say."""
+        return apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, batch: ForwardBatch, state,
                entries: torch.Tensor | PackedRows | None = None, entry_rows: torch.Tensor | None = None,

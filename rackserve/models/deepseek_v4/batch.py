@@ -8,14 +8,14 @@ Positions of a request that are older than this step live in its slot's rings (r
 of the step's new tensors (row = `token offset of the request + position - start`). `RingGather`
 addresses a grid of positions as rows of the virtual concatenation [flattened ring, new rows].
 
-What the batch plans comes from the state (`state.schemes`, `state.lookback`), so a family whose layers
-compress otherwise (DeepSeek-V4.1) builds its batch here too.
+What the batch plans comes from the state (`state.schemes`, `state.lookback`, `state.replay_window`), so
+a family whose layers compress otherwise (DeepSeek-V4.1) builds its batch here too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -88,6 +88,21 @@ class CompressPlan:
 
 
 @dataclass
+class Replay:
+    """Bounded replay's cut of a prefill batch (`state.replay_window` W): the layer that cuts (the last KV
+    source) writes its window, entries and keys for every row of the batch, then it and the layers above
+    run on `rows` only — each request's last max(W, its logits rows) rows, ascending. `first` is the
+    batch of the cutting layer over those rows (their windows read every row the batch wrote); `rest`
+    that of the layers above, whose windows hold only the kept rows (a kept row sees no window row
+    between its request's step start and its first kept row). The plans of both are the full batch's
+    restricted to the kept rows: only which entries a row sees, never entries to write."""
+
+    rows: torch.Tensor  # [T'] long
+    first: ForwardBatch
+    rest: ForwardBatch
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
@@ -99,6 +114,7 @@ class ForwardBatch:
     # with `state.lookback` = L > 0: positions p-L+1 .. p of each token, in a ring of L rows per slot
     lookback: RingGather | None = None
     lookback_write: RingWrite | None = None
+    replay: Replay | None = None  # with `state.replay_window`, when some request has more rows than it keeps
 
     @classmethod
     def build(cls, state: PagedState, requests: Sequence[tuple[RequestState, Sequence[int]]],
@@ -117,6 +133,10 @@ class ForwardBatch:
         plan's new entries are padded to one per token (the padding writes a row of `scratch`'s page),
         every token sees `static.pages` pages of entries (masked past its own), and the logits rows
         are padded to `static.tokens`.
+
+        A handle's `window_from` hides its window rows below it; its `entries_until` keeps the entries
+        completed before it as they are (a prefix hit under bounded replay, `RequestState`). With
+        `state.replay_window`, a batch of other than fixed shape plans its `replay`.
         """
         kinds = set(state.schemes) if kinds is None else set(kinds) & set(state.schemes)
         device = state.device
@@ -132,6 +152,8 @@ class ForwardBatch:
             raise ValueError("every request in a batch needs at least one new token")
         starts = torch.tensor([h.num_tokens for h, _ in requests], dtype=torch.long)
         slots = torch.tensor([h.slot for h, _ in requests], dtype=torch.long)
+        window_from = torch.tensor([h.window_from for h, _ in requests], dtype=torch.long)
+        entries_until = torch.tensor([h.entries_until for h, _ in requests], dtype=torch.long)
         max_pages = max(1, max(len(h.pages) for h, _ in requests)) if static is None else static.pages
         page_table = torch.zeros(len(requests), max_pages, dtype=torch.long)
         for r, (h, ids) in enumerate(requests):
@@ -151,8 +173,10 @@ class ForwardBatch:
         trash = None if static is None else (scratch.slot, scratch.pages[0] if scratch.pages else 0)
 
         w = state.window
-        swa = geo.ring_gather(positions[:, None] - (w - 1) + torch.arange(w), req, w)
-        plans = {key: geo.compress_plan(state.schemes[key], page_table, state.block_size, trash)
+        window = positions[:, None] - (w - 1) + torch.arange(w)
+        swa = geo.ring_gather(window, req, w)
+        swa.valid &= window >= window_from[req][:, None]
+        plans = {key: geo.compress_plan(state.schemes[key], page_table, state.block_size, entries_until, trash)
                  for key in sorted(kinds, key=str)}
         lookback = lookback_write = None
         if state.lookback:
@@ -175,6 +199,10 @@ class ForwardBatch:
             real = torch.arange(static.tokens) < static.tokens - pad
         batch = cls(input_ids, positions, logits_rows, swa, geo.ring_write(w, trash), plans, real, lookback,
                     lookback_write)
+        if state.replay_window and static is None:
+            counts = (torch.tensor(num_logits, dtype=torch.long) if num_logits is not None
+                      else lens if all_logits else torch.ones_like(lens))
+            batch.replay = geo.replay(batch, window, window_from, counts.clamp(min=state.replay_window))
         return batch.to(device)
 
     def to(self, device: torch.device | str) -> "ForwardBatch":
@@ -220,10 +248,10 @@ class _Geometry:
             src, dst = _pad(src, len(self.positions), 0), _pad(dst, len(self.positions), trash[0] * length)
         return RingWrite(src, dst)
 
-    def compress_plan(self, scheme: Scheme, page_table: torch.Tensor, block_size: int,
+    def compress_plan(self, scheme: Scheme, page_table: torch.Tensor, block_size: int, entries_until: torch.Tensor,
                       trash: tuple[int, int] | None = None) -> CompressPlan:
         rate, per_page = scheme.rate, block_size // scheme.rate
-        first = self.starts // rate  # first entry completed in this step
+        first = torch.maximum(self.starts, entries_until) // rate  # first entry completed in this step
         count = self.ends // rate - first
         owner = torch.repeat_interleave(torch.arange(len(count)), count)
         w = first[owner] + torch.arange(len(owner)) - (torch.cumsum(count, 0) - count)[owner]
@@ -250,6 +278,33 @@ class _Geometry:
         visible = e[None, :] < seen[:, None]
         return CompressPlan(rate, new_entries, entry_dst, w * rate, entry_src, self.ring_write(scheme.ring, trash),
                             visible_row, visible)
+
+    def replay(self, batch: ForwardBatch, window: torch.Tensor, window_from: torch.Tensor,
+               keep: torch.Tensor) -> Replay | None:
+        """Bounded replay's cut of `batch` keeping each request's last `keep [R]` rows (None when that is
+        every row); window `[T, W]`: each row's window positions."""
+        lens = self.ends - self.starts
+        if bool((keep >= lens).all()):
+            return None
+        kept_start = torch.maximum(self.starts, self.ends - keep)  # [R] first kept position
+        rows = (self.positions >= kept_start[self.req]).nonzero().squeeze(1)
+        sub = _Geometry(self.req[rows], kept_start, self.ends, torch.cumsum(self.ends - kept_start, 0)
+                        - (self.ends - kept_start), self.slots, self.positions[rows], self.num_slots)
+        back = torch.full((len(self.positions),), -1, dtype=torch.long)
+        back[rows] = torch.arange(len(rows))
+        plans = {key: replace(plan, visible_row=plan.visible_row[rows], visible=plan.visible[rows])
+                 for key, plan in batch.plans.items()}
+        common = {"input_ids": batch.input_ids[rows], "positions": batch.positions[rows],
+                  "logits_rows": back[batch.logits_rows], "plans": plans}
+        first = ForwardBatch(swa=RingGather(batch.swa.rows[rows], batch.swa.valid[rows]), swa_write=batch.swa_write,
+                             **common)
+        w, own = window[rows], sub.req
+        # the layers above see kept rows of this step, and rows older than it (from `window_from` on)
+        swa = sub.ring_gather(w, own, w.shape[1])
+        swa.valid &= (w >= kept_start[own][:, None]) | ((w < self.starts[own][:, None])
+                                                        & (w >= window_from[own][:, None]))
+        rest = ForwardBatch(swa=swa, swa_write=sub.ring_write(w.shape[1]), **common)
+        return Replay(rows, first, rest)
 
 
 def _pad(x: torch.Tensor, n: int, value) -> torch.Tensor:

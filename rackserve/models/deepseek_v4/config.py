@@ -236,6 +236,8 @@ class ModelConfig:
         """The distinct compress rates in use, ascending."""
         return tuple(sorted({r for r in map(self.compress_rate, range(self.num_hidden_layers)) if r}))
 
+    replay_window: ClassVar[int] = 0  # no bounded replay (`ModelSpec.replay_window`)
+
     @property
     def min_block_size(self) -> int:
         """The smallest token block that is a multiple of every compress rate (paging unit)."""

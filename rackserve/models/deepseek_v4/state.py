@@ -101,6 +101,15 @@ class LayeredState(PagedState):
     lookback_ids: torch.Tensor | None = None
     lookback = 0  # token positions `lookback_ids` keeps per slot (0: none)
 
+    def prime(self, slot: int, token_ids: list[int], start: int) -> None:
+        """The lookback ring's rows for the positions before `start` (the token ids themselves)."""
+        if self.lookback_ids is None:
+            return
+        n, lo = self.lookback, max(0, start - (self.lookback - 1))
+        rows = torch.arange(lo, start) % n
+        ids = torch.tensor(token_ids[lo:start], dtype=self.lookback_ids.dtype, device=self.device)
+        self.lookback_ids[slot, rows.to(self.device), 0] = ids
+
     def _setup(self, config, num_slots: int, num_pages: int, block_size: int, dtype: torch.dtype,
                device: torch.device | str, state_dtype: str) -> None:
         if state_dtype not in STATE_DTYPES:

@@ -101,21 +101,40 @@ class Attention(SinkAttention):
         self.candidate_topk_blocks, self.candidate_block_size = c.candidate_topk_blocks, c.candidate_block_size
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state, rotary: Rotary, selection: Selection | None,
-                eligible: torch.Tensor | None) -> tuple[torch.Tensor, Selection | None, torch.Tensor | None]:
+                eligible: torch.Tensor | None, kv: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, Selection | None, torch.Tensor | None]:
         """x `[T, hidden]` -> (`[T, hidden]`, the selection and the eligible entries `[T, E]` (after the
-        candidate source) for the layers above); reads and updates this layer's part of `state`."""
-        q, kv, q_residual, cos, sin = self.project(x, batch.positions, rotary)
+        candidate source) for the layers above); reads and updates this layer's part of `state`. With
+        `kv`, `write_kv` has written this step's state from every row of the batch `batch` was cut from
+        (bounded replay: `batch` is its `Replay.first`), and `kv` are those rows' window rows."""
+        if kv is None:
+            q, kv, q_residual, cos, sin = self.project(x, batch.positions, rotary)
+            self._compress(x, batch, state, rotary)
+        else:
+            q, q_residual, cos, sin = self.queries(x, batch.positions, rotary)
         if not self.ratio:
             return self.output(self.attend(q, kv, batch, state), cos, sin), selection, eligible
         plan = batch.plans[self.ratio]
-        if self.compressor is not None:
-            latent = self.compressor.update(x, plan, state.ring[self.layer], state.entry_rows(self.layer), rotary)
-            if latent is not None and self.indexer is not None:
-                self.indexer.write_keys(latent, plan, state.index_key_rows(self.layer), rotary)
         if self.indexer is not None:
             selection, eligible = self.select(x, q_residual, batch.positions, plan, state, rotary, eligible)
         out = self.attend(q, kv, batch, state, state.entry_rows(self.kv_source), selection.rows, selection.valid)
         return self.output(out, cos, sin), selection, eligible
+
+    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, state, rotary: Rotary) -> torch.Tensor:
+        """What this step writes for every row of `batch` but its window (which `forward` writes once it read
+        it): a KV source's entries and keys. x `[T, hidden]` -> the window rows `[T, hd]` for `forward(kv=…)`."""
+        cos, sin = rotary.cos_sin(batch.positions, x.dtype)
+        self._compress(x, batch, state, rotary)
+        return self.window_rows(x, cos, sin)
+
+    def _compress(self, x: torch.Tensor, batch: ForwardBatch, state, rotary: Rotary) -> None:
+        """A KV source's new entries (and, an index source's, keys) into `state`."""
+        if self.compressor is None:
+            return
+        plan = batch.plans[self.ratio]
+        latent = self.compressor.update(x, plan, state.ring[self.layer], state.entry_rows(self.layer), rotary)
+        if latent is not None and self.indexer is not None:
+            self.indexer.write_keys(latent, plan, state.index_key_rows(self.layer), rotary)
 
     def select(self, x, q_residual, positions, plan: CompressPlan, state, rotary: Rotary,
                eligible: torch.Tensor | None) -> tuple[Selection, torch.Tensor | None]:

@@ -212,6 +212,18 @@ class ModelConfig:
         return tuple(sorted({r for r in self.compress_ratios[:self.num_hidden_layers] if r}))
 
     @property
+    def replay_window(self) -> int:
+        """Bounded replay's window (`ModelSpec.replay_window`): the sliding window, when a KV source
+        exists to cut at."""
+        return self.sliding_window if self.kv_source_layer_ids else 0
+
+    @property
+    def replay_layer(self) -> int:
+        """The last KV source: it writes its window, entries and keys for every token of a prefill; it
+        and the layers above then run on the replay rows (`ForwardBatch.replay`) only."""
+        return max(self.kv_source_layer_ids)
+
+    @property
     def min_block_size(self) -> int:
         return math.lcm(1, *self.compress_rates)
 

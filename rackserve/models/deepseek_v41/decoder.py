@@ -61,10 +61,33 @@ class Block(DecoderLayer):
         selection and eligible entries for the layers above)."""
         if self.engram is not None:
             streams = self.engram(streams, engram)
+        x = self.input_layernorm(HyperConnection.collapse(streams, pre))
+        return self._sublayers(streams, x, batch, state, rotary, selection, eligible)
+
+    def cut(self, streams: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, state, rotary: Rotary,
+            selection: Selection | None, eligible: torch.Tensor | None, engram: torch.Tensor | None):
+        """`forward` as the layer that cuts a prefill under bounded replay (`batch.replay`): this step's
+        window, entries and keys from every row, the rest of the layer on the replay's rows only -> what
+        `forward` returns, for those rows."""
+        if self.engram is not None:
+            streams = self.engram(streams, engram)
+        x = self.input_layernorm(HyperConnection.collapse(streams, pre))
+        with phase("attention"):
+            kv = self.self_attn.write_kv(x, batch, state, rotary)
+        rows = batch.replay.rows
+        if selection is not None:
+            selection = Selection(selection.rows.index_select(0, rows), selection.valid.index_select(0, rows))
+        eligible = None if eligible is None else eligible.index_select(0, rows)
+        return self._sublayers(streams.index_select(0, rows), x.index_select(0, rows), batch.replay.first, state,
+                               rotary, selection, eligible, kv)
+
+    def _sublayers(self, streams: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, state, rotary: Rotary,
+                   selection: Selection | None, eligible: torch.Tensor | None, kv: torch.Tensor | None = None):
+        """Attention over x `[T, D]` (the streams collapsed and normed), then the MoE, each merged into the
+        streams; `kv` as `Attention.forward` takes it."""
         attn_pre, post, comb = self.attn_hc.mixes(streams)
         with phase("attention"):
-            out, selection, eligible = self.self_attn(self.input_layernorm(HyperConnection.collapse(streams, pre)),
-                                                      batch, state, rotary, selection, eligible)
+            out, selection, eligible = self.self_attn(x, batch, state, rotary, selection, eligible, kv)
         streams = HyperConnection.merge(streams, out, post, comb)
         ffn_pre, post, comb = self.ffn_hc.mixes(streams)
         x = self.post_attention_layernorm(HyperConnection.collapse(streams, attn_pre))

@@ -10,7 +10,7 @@ per token and Engram layer (V4.1-Flash: 24 rows of 256 values).
 - `EngramLayout`: the primes (each (n-gram size, head) owns a prime-sized range of its layer's table;
   primes are drawn in order and never reused, layer after layer), the offsets and the multipliers
   (odd, from numpy's `default_rng(10007 · layer)`), checked against the table sizes the config states.
-- `NgramHash`: the rows of every token of a ragged batch, on the device; the ids of the last n
+- `NgramHash`: the rows of every token of a ragged batch, on the device; the token ids of the last n
   positions of a request live in its state (`lookback_ids`), so a chunk, a prefix hit, a pushed
   state or a rolled-back draft continues exactly.
 - `EngramTable`: one layer's table as stored (FP8 e4m3 rows, one UE8M0 scale per 32 values), memory-
@@ -202,11 +202,12 @@ class NgramHash(nn.Module):
     def forward(self, input_ids: torch.Tensor, lookback: RingGather, ring: torch.Tensor,
                 write: RingWrite) -> torch.Tensor:
         """input_ids `[T]`; lookback: positions p-n+1 … p of each token (`ForwardBatch.lookback`) in `ring`
-        `[S, n, 1]` int32 (the state's compressed ids), which `write` then rolls forward -> rows `[L, T, C]`."""
-        ids = self.token_map[input_ids]
-        window = lookback.gather(ring, ids.to(ring.dtype)[:, None]).squeeze(-1).long()  # [T, n], oldest first
-        window = torch.where(lookback.valid, window, self.token_map[self.layout.pad])
-        write.apply(ring, ids.to(ring.dtype)[:, None])
+        `[S, n, 1]` int32 (the state's token ids: what a prefix hit can write without running the model,
+        `PagedState.prime`), which `write` then rolls forward -> rows `[L, T, C]`."""
+        new = input_ids.to(ring.dtype)[:, None]
+        window = lookback.gather(ring, new).squeeze(-1).long()  # [T, n] token ids, oldest first
+        window = torch.where(lookback.valid, self.token_map[window], self.token_map[self.layout.pad])
+        write.apply(ring, new)
         products = window.flip(-1).unsqueeze(1) * self.multipliers  # [T, L, n]: p, p-1, … (wraps as int64)
         rolling, rows = products[..., 0], []
         for i in range(1, self.layout.max_ngram):

@@ -121,12 +121,23 @@ class DeepseekV41ForCausalLM(CausalLM):
         pre[:, 0] = 1.0  # layer 0's attention reads stream 0
         engram = self._engram_rows(batch, state)
         selection = eligible = None
+        step, replay = batch, batch.replay
         for layer in m.layers:
             values = None if layer.engram is None else engram[layer.engram.table]
-            streams, pre, selection, eligible = layer(streams, pre, batch, state, self.rotary(layer.self_attn.ratio),
-                                                      selection, eligible, values)
-        rows = batch.logits_rows
+            rotary = self.rotary(layer.self_attn.ratio)
+            if replay is not None and step is replay.rest:
+                values = None if values is None else values.index_select(0, replay.rows)
+            if replay is not None and layer.self_attn.layer == self.config.replay_layer:
+                streams, pre, selection, eligible = layer.cut(streams, pre, batch, state, rotary, selection, eligible,
+                                                              values)
+                step = replay.rest
+            else:
+                streams, pre, selection, eligible = layer(streams, pre, step, state, rotary, selection, eligible,
+                                                          values)
+        rows = step.logits_rows
         hidden = m.norm(HyperConnection.collapse(streams.index_select(0, rows), pre.index_select(0, rows)))
+        if replay is not None:  # the cut rows' streams are never read: zeros
+            streams = streams.new_zeros(len(batch.input_ids), *streams.shape[1:]).index_copy_(0, replay.rows, streams)
         return self.lm_head(hidden).float(), streams
 
     def _engram_rows(self, batch: ForwardBatch, state: ModelState) -> list[torch.Tensor]:

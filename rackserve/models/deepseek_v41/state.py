@@ -6,7 +6,7 @@ where the published 890 bytes per token come from (V4.1-Flash: three ratio-2 sou
 source, at DeepSeek's formats, `state_dtype` "fp4": 3 × (288 + 68) / 2 + (288 + 68)).
 
 Slots (fixed per request):
-  lookback_ids [S, n, 1] int32       compressed token ids of the last n positions (Engram's n-grams)
+  lookback_ids [S, n, 1] int32       token ids of the last n positions (Engram's n-grams)
   swa[l]       [S, W, hd]            every layer's window ring, by position % W
   ring[l]      [S, R, 2·hd] fp32     ratio-2 sources: `[kv | gate]` of the group being filled (fp32, as
                                      DeepSeek pools them; R ≥ 2 and ≥ a verify step's k+1 positions)

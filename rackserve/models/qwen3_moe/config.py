@@ -95,6 +95,8 @@ class ModelConfig:
         """The sparse layers: rows of an expert layout (`phy2log`)."""
         return sum(map(self.is_sparse, range(self.num_hidden_layers)))
 
+    replay_window: ClassVar[int] = 0  # no bounded replay (`ModelSpec.replay_window`)
+
     @property
     def min_block_size(self) -> int:
         """1: a page of the KV cache holds whole tokens, any number of them (the engine's default block
