@@ -47,12 +47,22 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
+    from rackserve.config import ConfigError
+    from rackserve.placement import HostDemand, InstanceGroup, PlacementSpec, Topology, plan
+    from rackserve.serve.config import ServeConfig
 
-    groups = tuple([InstanceGroup.parse(g, "prefill") for g in args.prefill or ()]
-                   + [InstanceGroup.parse(g, "decode") for g in args.decode or ()])
-    result = plan(Topology.from_yaml(args.topology),
-                  PlacementSpec(groups, kv_stores=args.kv_stores, spread=args.spread))
+    config = ServeConfig.from_yaml(args.config) if args.config else None
+    prefill = args.prefill or ([config.prefill] if config else [])
+    decode = args.decode or ([config.decode] if config else [])
+    groups = tuple([InstanceGroup.parse(g, "prefill") for g in prefill]
+                   + [InstanceGroup.parse(g, "decode") for g in decode])
+    topology = args.topology or (config.topology if config and config.topology != "ray" else None)
+    if topology is None:
+        raise ConfigError("rackserve plan: give --topology (a topology file), or a --config that names one")
+    kv_stores = args.kv_stores or (config.kv_stores if config and isinstance(config.kv_stores, str) else "per_tray")
+    host = config.host_demand(_memory_model(args.model or config.model)[0]) if config else HostDemand()
+    result = plan(Topology.from_yaml(topology), PlacementSpec(groups, kv_stores=kv_stores, spread=args.spread,
+                                                              host=host))
     print(result.table())
     if args.png:
         from rackserve.placement.draw import draw
@@ -85,6 +95,23 @@ def _memory_model(name: str):
     return V4Config.from_dict({}), f"DeepSeek-V4-Flash's shape ({name} has no config.json here{why})"
 
 
+def _fullest_tray(config, model) -> dict | None:
+    """The host memory of the fullest tray when `config`'s instances are planned on its topology file (None
+    without one), and the trays it would overflow."""
+    from dataclasses import replace
+
+    from rackserve.placement import InstanceGroup, PlacementSpec, Topology, plan
+
+    if config.topology in (None, "ray"):
+        return None
+    spec = PlacementSpec((InstanceGroup.parse(config.prefill, "prefill"), InstanceGroup.parse(config.decode, "decode")),
+                         kv_stores=config.kv_stores)
+    placed = plan(Topology.from_yaml(config.topology), spec)  # GPUs only: to show what the host memory would take
+    placed = replace(placed, spec=replace(spec, host=config.host_demand(model)))
+    fullest = max(placed.host_memory(), key=lambda t: t.used)
+    return {"text": fullest.text(), "used_gib": fullest.used / 2**30, "over": [t.text() for t in placed.host_overflow()]}
+
+
 def _memory(args: argparse.Namespace) -> int:
     from rackserve.models.deepseek_v4.memory import (
         GIB,
@@ -115,14 +142,19 @@ def _memory(args: argparse.Namespace) -> int:
     decode_weights = weight_bytes(model, precisions(model)["FP8+FP4"]).rank(decode_slots)
     state = state_report(model, decode_weights, {name: hw.hbm_bytes for name, hw in PRESETS.items()})
     host = model.host_table_bytes
+    tray = _fullest_tray(config, model)
     if args.json:
-        print(json.dumps({"model": source, "gib": rows, "state": state, "host_tables_gib": host / GIB}))
+        print(json.dumps({"model": source, "gib": rows, "state": state, "host_tables_gib": host / GIB,
+                          "fullest_tray": tray}))
         return 0
     print(f"weights per GPU, GiB; model: {source}")
     print(format_report(rows))
     if host:
         print(f"\nEngram tables in host memory: {host / GIB:.1f} GiB per node (FP8 rows as stored: one copy in the "
               "node's table_dir, /dev/shm by default, that every rank there maps; never on the GPU)")
+    if tray is not None:
+        print(f"host memory per tray, planned on {config.topology}: the fullest tray {tray['text']}"
+              + (f"; {len(tray['over'])} tray(s) lack it, e.g. {tray['over'][0]}" if tray["over"] else ""))
     print(f"\nrequest state (bf16 activations; published V4.1-Flash: {PUBLISHED_STATE_BYTES_PER_TOKEN} bytes/token), "
           "and the decode batch a rank of the config fits beside its FP8+FP4 weights:")
     print(format_state_report(state))
@@ -191,10 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     pl = sub.add_parser("plan", help="place prefill/decode instances on racks and print the plan")
-    pl.add_argument("--topology", required=True, help="topology file, e.g. deploy/topology/gb300-nvl72x4.yaml")
+    pl.add_argument("--topology", help="topology file, e.g. deploy/topology/gb300-nvl72x4.yaml (default: the "
+                                       "--config's)")
+    pl.add_argument("--config", help="a serve config, e.g. deploy/gb300-nvl72.yaml: its instances, KV stores and "
+                                     "topology unless given here, and the host memory its model, KV stores and ranks "
+                                     "take per tray, checked against the topology's host_memory_gib")
+    pl.add_argument("--model", help="with --config: the model whose host tables count (default: the config's; "
+                                    "without its files, the published shape its name says)")
     pl.add_argument("--prefill", action="append", help="prefill instances, e.g. 8xDEP2 (repeatable)")
     pl.add_argument("--decode", action="append", help="decode instances, e.g. 3xDEP32 or 2xAFD8+16 (repeatable)")
-    pl.add_argument("--kv-stores", default="per_tray", choices=("per_tray", "per_rack", "none"),
+    pl.add_argument("--kv-stores", choices=("per_tray", "per_rack", "none"),
                     help="KV-store actors: one per tray in use (default), one per rack in use, or none")
     pl.add_argument("--spread", action="store_true", help="spread each role's instances across racks")
     pl.add_argument("--png", help="also draw the plan to this PNG file (needs matplotlib)")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rackserve.placement import (
+    HostDemand,
     InstanceGroup,
     PlacementError,
     PlacementSpec,
@@ -23,6 +24,7 @@ from rackserve.placement import (
     Tray,
     plan,
 )
+from rackserve.placement.planner import RANK_PROCESS_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGIES = ROOT / "deploy" / "topology"
@@ -238,7 +240,9 @@ def test_nvl72_preset_shape():
 
 def test_topology_files():
     gb300 = Topology.from_yaml(TOPOLOGIES / "gb300-nvl72x4.yaml")
-    assert gb300.racks == Topology.nvl72(4).racks and gb300.name == "gb300-nvl72x4"
+    assert [[(t.name, t.num_gpus) for t in r.trays] for r in gb300.racks] == \
+        [[(t.name, t.num_gpus) for t in r.trays] for r in Topology.nvl72(4).racks] and gb300.name == "gb300-nvl72x4"
+    assert {t.host_memory_gib for r in gb300.racks for t in r.trays} == {894}
     h200 = Topology.from_yaml(TOPOLOGIES / "h200-8gpu.yaml")
     assert [(r.name, [(t.name, t.num_gpus) for t in r.trays]) for r in h200.racks] == [("h200-0", [("node0", 8)])]
     dev = Topology.from_yaml(TOPOLOGIES / "cpu-dev.yaml")
@@ -253,7 +257,11 @@ def test_topology_files():
     ("racks:\n  - {name: a, trays: 2}\n", ["racks[0] (a)", "gpus_per_tray"]),
     ("racks:\n  - {name: a, trays: 2, gpus_per_tray: 4, gpu: 1}\n", ["racks[0]", "unknown field(s) ['gpu']"]),
     ("racks:\n  - {name: a, trays: [{name: t, gpus: 0}]}\n", ["racks[0].trays[0].gpus", "0 must be an integer >= 1"]),
-    ("racks:\n  - {name: a, trays: [{name: t}]}\n", ["racks[0].trays[0]", "{name: <label>, gpus: <int>}"]),
+    ("racks:\n  - {name: a, trays: [{name: t}]}\n", ["racks[0].trays[0]", "{name: <label>, gpus: <int>"]),
+    ("racks:\n  - {name: a, trays: 2, gpus_per_tray: 4, host_memory_gib: 0}\n",
+     ["racks[0] (a)", "host_memory_gib=0 must be a number of GiB > 0"]),
+    ("racks:\n  - {name: a, trays: [{name: t, gpus: 4}], host_memory_gib: 8}\n",
+     ["'host_memory_gib' only goes with 'trays: <count>'"]),
     ("racks:\n  - {name: a, trays: [{name: t, gpus: 4}, {name: t, gpus: 4}]}\n", ["rack a", "tray name 't'"]),
     ("racks:\n  - {name: 'rack 0', trays: 1, gpus_per_tray: 4}\n", ["racks[0].name", "'rack 0'", "label value"]),
     ("racks:\n  - {name: a, trays: 1, gpus_per_tray: 4}\n  - {name: a, trays: 1, gpus_per_tray: 4}\n",
@@ -322,3 +330,73 @@ def test_cli_prints_the_plan_and_writes_a_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     bad = run_cli("--topology", topology, "--decode", "DEP96")
     assert bad.returncode == 2 and "the largest has 72" in bad.stderr
+
+
+# ---- host memory per tray ------------------------------------------------------------------------------
+
+GIB = 2**30
+
+
+def tray_topology(gib: float) -> Topology:
+    """One rack of four 4-GPU trays with `gib` GiB of host memory each."""
+    return Topology((Rack("r", tuple(Tray(f"t{t}", 4, gib) for t in range(4))),))
+
+
+def test_a_tray_holds_the_tables_once_a_store_and_its_ranks():
+    demand = HostDemand(tables=100 * GIB, store=50 * GIB, prefill_rank=2 * GIB, decode_rank=3 * GIB)
+    p = plan(tray_topology(1000), spec("decode:1xDEP4", "prefill:2xDEP2", host=demand))
+    trays = {t.tray: t for t in p.host_memory()}
+    # decode DEP4 fills t0; the two prefill DEP2 share t1
+    assert (trays["t0"].tables, trays["t0"].stores, trays["t0"].ranks) == (100 * GIB, 50 * GIB, 4 * 3 * GIB)
+    assert (trays["t1"].tables, trays["t1"].ranks, trays["t1"].capacity) == (100 * GIB, 4 * 2 * GIB, 1000 * GIB)
+    assert set(trays) == {"t0", "t1"}
+    assert "host memory, the fullest tray: r/t0: tables 100.0 + KV store 50.0 + ranks 12.0 = 162.0 of 1000.0 GiB" \
+        in p.table()
+
+
+def test_expert_ranks_read_no_tables():
+    demand = HostDemand(tables=100 * GIB, decode_rank=GIB)
+    p = plan(tray_topology(1000), spec("decode:1xAFD4+4", kv_stores="none", host=demand))
+    trays = {t.tray: t for t in p.host_memory()}
+    assert (trays["t0"].tables, trays["t0"].ranks) == (100 * GIB, 4 * GIB)
+    assert (trays["t1"].tables, trays["t1"].ranks) == (0, 0)
+
+
+def test_a_plan_a_tray_cannot_hold_is_refused_with_the_numbers():
+    demand = HostDemand(tables=189 * GIB, store=256 * GIB, decode_rank=4 * GIB)
+    with pytest.raises(PlacementError) as e:
+        plan(tray_topology(400), spec("decode:1xDEP4", host=demand))
+    assert ("1 tray(s) lack the host memory this plan needs, e.g. r/t0: tables 189.0 + KV store 256.0 + ranks 16.0 "
+            "= 461.0 of 400.0 GiB") in str(e.value) and "store_memory_mb" in str(e.value)
+    # a topology that does not give the trays' memory is not checked
+    assert plan(Topology.uniform(1, 4, 4), spec("decode:1xDEP4", host=demand)).host_overflow() == []
+
+
+def test_the_serve_config_says_what_its_ranks_keep_in_host_memory():
+    from rackserve.models import read_config
+    from rackserve.models.deepseek_v41 import FLASH_CONFIG
+    from rackserve.serve.config import ServeConfig
+
+    flash = read_config(FLASH_CONFIG)
+    config = ServeConfig(store_memory_mb=1024, engine={"kv_pool_mb": 512, "device": "cuda"},
+                         prefill_engine={"device": "cpu", "state_memory_mb": 2048})
+    demand = config.host_demand(flash)
+    assert demand.tables == flash.host_table_bytes and demand.store == GIB
+    assert demand.decode_rank == RANK_PROCESS_BYTES  # a GPU rank keeps its pool and state on the GPU
+    assert demand.prefill_rank == RANK_PROCESS_BYTES + (512 + 2048) * 2**20
+
+
+def test_rackserve_plan_and_memory_account_the_published_config_per_tray(tmp_path):
+    gb300 = ROOT / "deploy" / "gb300-nvl72.yaml"
+    out = subprocess.run([sys.executable, "-m", "rackserve.cli", "plan", "--config", str(gb300)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "fullest tray: rack0/tray0: tables 188.8 + KV store 256.0 + ranks 16.0 = 460.8 of 894.0 GiB" in out.stdout
+    text = gb300.read_text().replace("store_memory_mb: 262144", "store_memory_mb: 786432")
+    (tmp_path / "big-store.yaml").write_text(text.replace("deploy/topology/", f"{TOPOLOGIES}/"))
+    out = subprocess.run([sys.executable, "-m", "rackserve.cli", "plan", "--config", str(tmp_path / "big-store.yaml")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "KV store 768.0" in out.stderr and "of 894.0 GiB" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "rackserve.cli", "memory", "--config", str(tmp_path / "big-store.yaml")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and "tray(s) lack it, e.g. rack0/tray0" in out.stdout

@@ -36,6 +36,10 @@ class ModelSpec(Protocol):
     dtype: str  # the checkpoint's compute dtype ("bfloat16", …)
 
     @property
+    def host_table_bytes(self) -> int:
+        """Bytes of the tables the family keeps in host memory, one copy per node (V4.1's Engram); 0 for none."""
+
+    @property
     def replay_window(self) -> int:
         """Tokens bounded replay recomputes after a prefix hit and keeps past the last KV source in a
         prefill (DeepSeek-V4.1's sliding window); 0 for a family without it."""

@@ -16,16 +16,18 @@ from rackserve.placement.eplb import (
 )
 from rackserve.placement.planner import (
     GpuId,
+    HostDemand,
     InstanceGroup,
     PlacementError,
     PlacementSpec,
     Plan,
     PlannedInstance,
     PlannedStore,
+    TrayHost,
     plan,
 )
 from rackserve.placement.topology import RACK_LABEL, TRAY_LABEL, Rack, Topology, TopologyError, Tray
 
-__all__ = ["RACK_LABEL", "TRAY_LABEL", "GpuId", "InstanceGroup", "Placement", "PlacementError", "PlacementSpec", "Plan",
-           "PlannedInstance", "PlannedStore", "Rack", "Topology", "TopologyError", "Tray", "balancedness",
-           "choose_slots", "greedy_reference", "moved_slots", "plan", "rebalance"]
+__all__ = ["RACK_LABEL", "TRAY_LABEL", "GpuId", "HostDemand", "InstanceGroup", "Placement", "PlacementError",
+           "PlacementSpec", "Plan", "PlannedInstance", "PlannedStore", "Rack", "Topology", "TopologyError", "Tray",
+           "TrayHost", "balancedness", "choose_slots", "greedy_reference", "moved_slots", "plan", "rebalance"]

@@ -12,7 +12,11 @@ Rules (DESIGN.md, Placement):
    each takes the best fit: a rack already in use before a new one, then the tightest rack (large
    instances) or the tightest tray (small ones), a partly used tray before a whole free one;
 4. deterministic: the order and every choice depend only on the topology, the spec and `previous`;
-5. stable: an instance's GPUs depend only on the instances placed before it in the canonical order
+5. a tray's host memory holds what the plan puts there (`HostDemand`, checked where the topology gives
+   `host_memory_gib`): the model's host tables once if a DP rank runs there (DeepSeek-V4.1's Engram copy,
+   shared by the node's ranks), its KV store, and each DP rank's host buffers; a plan that does not fit
+   is refused with the numbers;
+6. stable: an instance's GPUs depend only on the instances placed before it in the canonical order
    (largest first, then decode before prefill, then shape, then index), so planning from scratch,
    a new instance moves none placed before it, and a member added to the group placed last (the
    smallest instances) moves nothing. For any other change, pass the running
@@ -105,6 +109,49 @@ class InstanceGroup:
         return InstanceGroup(role, int(count or 1), int(size), mode, int(experts or 0))
 
 
+GIB = 2**30
+# host memory of a rank process beyond the buffers a config sizes (PyTorch, the CUDA context, Ray's worker):
+# about 1 GiB measured per CPU rank here, a few GiB on a GPU host
+RANK_PROCESS_BYTES = 4 * GIB
+
+
+@dataclass(frozen=True)
+class HostDemand:
+    """What a plan puts in a tray's host memory, in bytes: `tables` once on every tray that holds a DP
+    rank (the model's host tables, one copy per node: `ModelSpec.host_table_bytes`), `store` per KV store,
+    and per DP rank of each role (`prefill_rank`, `decode_rank`) its process and the buffers it keeps in host
+    memory (`ServeConfig.host_demand`). Expert ranks of an attention–FFN split are not counted."""
+
+    tables: int = 0
+    store: int = 0
+    prefill_rank: int = 0
+    decode_rank: int = 0
+
+    def rank(self, role: str) -> int:
+        return self.prefill_rank if role == "prefill" else self.decode_rank
+
+
+@dataclass(frozen=True)
+class TrayHost:
+    """One tray's host memory under a plan: what each part takes (bytes) and what the tray has (None: not given)."""
+
+    rack: str
+    tray: str
+    tables: int
+    stores: int
+    ranks: int
+    capacity: int | None
+
+    @property
+    def used(self) -> int:
+        return self.tables + self.stores + self.ranks
+
+    def text(self) -> str:
+        parts = f"tables {self.tables / GIB:.1f} + KV store {self.stores / GIB:.1f} + ranks {self.ranks / GIB:.1f}"
+        of = "" if self.capacity is None else f" of {self.capacity / GIB:.1f}"
+        return f"{self.rack}/{self.tray}: {parts} = {self.used / GIB:.1f}{of} GiB"
+
+
 @dataclass(frozen=True)
 class PlacementSpec:
     """What to place.
@@ -114,11 +161,13 @@ class PlacementSpec:
     "per_rack" puts one on the first tray of every rack in use; "none" places none.
     spread: place each instance on the rack holding the fewest instances of its role (failure
     isolation: losing one rack loses few instances of a role), at the cost of using more racks.
+    host: what the plan puts in host memory per tray (none by default).
     """
 
     groups: tuple[InstanceGroup, ...]
     kv_stores: str = "per_tray"
     spread: bool = False
+    host: HostDemand = HostDemand()
 
     def __post_init__(self) -> None:
         if self.kv_stores not in KV_STORE_LAYOUTS:
@@ -219,6 +268,25 @@ class Plan:
                 stranded[rack] += size[rack, tray] - n
         return stranded
 
+    def host_memory(self) -> list[TrayHost]:
+        """Every tray in use, in topology order, with the host memory the plan puts there."""
+        demand = self.spec.host
+        ranks, readers = Counter(), set()
+        for inst in self.instances:
+            for g in inst.gpus:
+                ranks[g.rack, g.tray] += demand.rank(inst.role)
+                readers.add((g.rack, g.tray))
+        stores = Counter((s.rack, s.tray) for s in self.kv_stores)
+        used = {(g.rack, g.tray) for inst in self.instances for g in inst.all_gpus} | set(stores)
+        return [TrayHost(r.name, t.name, demand.tables * ((r.name, t.name) in readers),
+                         demand.store * stores[r.name, t.name], ranks[r.name, t.name],
+                         None if t.host_memory_gib is None else int(t.host_memory_gib * GIB))
+                for r in self.topology.racks for t in r.trays if (r.name, t.name) in used]
+
+    def host_overflow(self) -> list[TrayHost]:
+        """The trays whose host memory (where the topology gives it) is less than the plan puts there."""
+        return [t for t in self.host_memory() if t.capacity is not None and t.used > t.capacity]
+
     def instance(self, name: str) -> PlannedInstance:
         for inst in self.instances:
             if inst.name == name:
@@ -252,6 +320,9 @@ class Plan:
             if shapes:
                 lines.append(f"{rack.name:<8} {f'{used[rack.name]}/{rack.num_gpus}':>9} {stranded[rack.name]:>8} "
                              f"{kv[rack.name]:>3}  {', '.join(f'{n} x {s}' for s, n in shapes.items())}")
+        if self.spec.host != HostDemand():
+            fullest = max(self.host_memory(), key=lambda t: t.used)
+            lines += ["", f"host memory, the fullest tray: {fullest.text()}"]
         return "\n".join(lines)
 
     def _trays_text(self, gpus: tuple[GpuId, ...]) -> str:
@@ -416,7 +487,13 @@ def plan(topology: Topology, spec: PlacementSpec, previous: Plan | None = None) 
             gpus = tuple(state.take(*choice, g.role))
             inst = PlannedInstance(g.role, i, g.mode, g.shape, gpus[:g.size], gpus[g.size:])
         instances.append(inst)
-    return Plan(topology, spec, tuple(instances), _kv_stores(topology, spec.kv_stores, instances))
+    result = Plan(topology, spec, tuple(instances), _kv_stores(topology, spec.kv_stores, instances))
+    over = result.host_overflow()
+    if over:
+        raise PlacementError(f"{len(over)} tray(s) lack the host memory this plan needs, e.g. {over[0].text()}; "
+                             "lower store_memory_mb or the ranks' kv_pool_mb (or state_memory_mb on CPU ranks), use "
+                             "fewer KV stores (kv_stores: per_rack), or trays with more memory")
+    return result
 
 
 def _kv_stores(topology: Topology, layout: str, instances: list[PlannedInstance]) -> tuple[PlannedStore, ...]:

@@ -39,15 +39,18 @@ def _check_name(name: Any, where: str) -> str:
 
 @dataclass(frozen=True)
 class Tray:
-    """One host (one Ray node) with `num_gpus` GPUs."""
+    """One host (one Ray node) with `num_gpus` GPUs and `host_memory_gib` GiB of host memory (None: not
+    given, and then not checked by the planner)."""
 
     name: str
     num_gpus: int
+    host_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         _check_name(self.name, "tray")
         if not isinstance(self.num_gpus, int) or self.num_gpus < 1:
             raise TopologyError(f"tray {self.name}: gpus={self.num_gpus!r} must be an integer >= 1")
+        _check_memory(self.host_memory_gib, f"tray {self.name}")
 
 
 @dataclass(frozen=True)
@@ -116,9 +119,10 @@ class Topology:
               - name: rack0
                 trays: 18                # a count (named tray0, tray1, …) ...
                 gpus_per_tray: 4
+                host_memory_gib: 894     # optional: each tray's host memory, which plans are checked against
               - name: rack1
                 trays:                   # ... or a list, for trays of different sizes
-                  - {name: tray0, gpus: 4}
+                  - {name: tray0, gpus: 4, host_memory_gib: 894}
         """
         if not isinstance(data, Mapping):
             raise TopologyError(f"{source}: expected a mapping with a 'racks' list, got {type(data).__name__}")
@@ -184,9 +188,10 @@ def _natural(name: str) -> tuple:
 def _rack_from_dict(data: Any, where: str) -> Rack:
     if not isinstance(data, Mapping):
         raise TopologyError(f"{where}: expected a mapping with 'name' and 'trays', got {data!r}")
-    unknown = set(data) - {"name", "trays", "gpus_per_tray"}
+    unknown = set(data) - {"name", "trays", "gpus_per_tray", "host_memory_gib"}
     if unknown:
-        raise TopologyError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: name, trays, gpus_per_tray")
+        raise TopologyError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: name, trays, gpus_per_tray, "
+                            "host_memory_gib")
     if "name" not in data:
         raise TopologyError(f"{where}: missing field 'name'")
     name = _check_name(data["name"], f"{where}.name")
@@ -196,20 +201,30 @@ def _rack_from_dict(data: Any, where: str) -> Rack:
         if trays < 1 or not isinstance(per_tray, int) or isinstance(per_tray, bool) or per_tray < 1:
             raise TopologyError(f"{where} ({name}): with 'trays: <count>' (got {trays!r}), give a count >= 1 "
                                 f"and 'gpus_per_tray: <int >= 1>' (got {per_tray!r})")
-        return Rack(name, tuple(Tray(f"tray{t}", per_tray) for t in range(trays)))
+        memory = _check_memory(data.get("host_memory_gib"), f"{where} ({name})")
+        return Rack(name, tuple(Tray(f"tray{t}", per_tray, memory) for t in range(trays)))
     if not isinstance(trays, list) or not trays:
         raise TopologyError(f"{where} ({name}): 'trays' must be a count or a non-empty list of "
                             f"{{name, gpus}}, got {trays!r}")
-    if "gpus_per_tray" in data:
-        raise TopologyError(f"{where} ({name}): 'gpus_per_tray' only goes with 'trays: <count>'; "
-                            "a tray list gives 'gpus' per tray")
+    for key in ("gpus_per_tray", "host_memory_gib"):
+        if key in data:
+            raise TopologyError(f"{where} ({name}): {key!r} only goes with 'trays: <count>'; "
+                                "a tray list gives 'gpus' and 'host_memory_gib' per tray")
     return Rack(name, tuple(_tray_from_dict(t, f"{where}.trays[{i}]") for i, t in enumerate(trays)))
 
 
 def _tray_from_dict(data: Any, where: str) -> Tray:
-    if not isinstance(data, Mapping) or set(data) != {"name", "gpus"}:
-        raise TopologyError(f"{where}: a tray is {{name: <label>, gpus: <int>}}, got {data!r}")
+    if not isinstance(data, Mapping) or not {"name", "gpus"} <= set(data) <= {"name", "gpus", "host_memory_gib"}:
+        raise TopologyError(f"{where}: a tray is {{name: <label>, gpus: <int>[, host_memory_gib: <GiB>]}}, "
+                            f"got {data!r}")
     gpus = data["gpus"]
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise TopologyError(f"{where}.gpus: {gpus!r} must be an integer >= 1")
-    return Tray(_check_name(data["name"], f"{where}.name"), gpus)
+    memory = _check_memory(data.get("host_memory_gib"), where)
+    return Tray(_check_name(data["name"], f"{where}.name"), gpus, memory)
+
+
+def _check_memory(gib: Any, where: str) -> float | None:
+    if gib is not None and (not isinstance(gib, (int, float)) or isinstance(gib, bool) or not gib > 0):
+        raise TopologyError(f"{where}: host_memory_gib={gib!r} must be a number of GiB > 0 (or left out)")
+    return gib

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from rackserve.config import ConfigError
+from rackserve.config import ConfigError, EngineConfig
+from rackserve.placement.planner import RANK_PROCESS_BYTES, HostDemand
 
 BUILDER = "rackserve.serve.app:build"
 INGRESS_KINDS = ("proxy", "direct")  # how HTTP reaches the replicas: see `rackserve.serve.ingress`
@@ -111,6 +112,18 @@ class ServeConfig:
             raise ConfigError(f"{path} must have exactly one application with import_path {BUILDER}")
         http = {k: v for k, v in (raw.get("http_options") or {}).items() if k in ("host", "port")}
         return cls.from_dict({**http, **(apps[0].get("args") or {})})
+
+    def host_demand(self, model) -> HostDemand:
+        """What this config puts in a tray's host memory for `model` (its config, `ModelSpec`): the model's
+        host tables, `store_memory_mb` per KV store, and per DP rank `RANK_PROCESS_BYTES` plus, on a CPU
+        rank, its NIXL pool and state memory (a GPU rank keeps both on the GPU)."""
+        def rank(role: dict) -> int:
+            engine = EngineConfig(**{**self.engine, **role})
+            host_mb = engine.kv_pool_mb + engine.state_memory_mb if engine.device == "cpu" else 0
+            return RANK_PROCESS_BYTES + int(host_mb * 2**20)
+
+        return HostDemand(model.host_table_bytes, int(self.store_memory_mb * 2**20), rank(self.prefill_engine),
+                          rank(self.decode_engine))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -32,7 +32,7 @@ from rackserve.cluster.deployment import Deployment
 from rackserve.cluster.faults import diagnose
 from rackserve.config import EngineConfig
 from rackserve.messages import Inflight, ModelInfo
-from rackserve.models import read_config
+from rackserve.models import read_config, resolve
 from rackserve.placement import RACK_LABEL, TRAY_LABEL, InstanceGroup, PlacementSpec, Topology, plan
 from rackserve.placement.ray_groups import placement_groups, remove, topology_from_ray, wait_ready
 from rackserve.serve import health
@@ -80,10 +80,12 @@ class Controller:
 
     @staticmethod
     def _place(config: ServeConfig):
-        """Plan the instances on the topology and reserve their placement groups (waits until placed)."""
+        """Plan the instances on the topology (and their host memory, where it gives the trays') and reserve
+        their placement groups (waits until placed)."""
         topology = topology_from_ray() if config.topology == "ray" else Topology.from_yaml(config.topology)
         roles = (InstanceGroup.parse(config.prefill, "prefill"), InstanceGroup.parse(config.decode, "decode"))
-        placed = plan(topology, PlacementSpec(roles, kv_stores=config.kv_stores))
+        host = config.host_demand(read_config(resolve(config.model)))
+        placed = plan(topology, PlacementSpec(roles, kv_stores=config.kv_stores, host=host))
         groups = placement_groups(placed, config.bundle_resources)
         wait_ready(groups, timeout_s=TIMEOUTS.placement_s)
         return placed, groups

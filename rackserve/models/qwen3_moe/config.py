@@ -96,6 +96,7 @@ class ModelConfig:
         return sum(map(self.is_sparse, range(self.num_hidden_layers)))
 
     replay_window: ClassVar[int] = 0  # no bounded replay (`ModelSpec.replay_window`)
+    host_table_bytes: ClassVar[int] = 0  # no tables in host memory (`ModelSpec.host_table_bytes`)
 
     @property
     def min_block_size(self) -> int:
