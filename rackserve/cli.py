@@ -109,7 +109,8 @@ def _fullest_tray(config, model) -> dict | None:
     placed = plan(Topology.from_yaml(config.topology), spec)  # GPUs only: to show what the host memory would take
     placed = replace(placed, spec=replace(spec, host=config.host_demand(model)))
     fullest = max(placed.host_memory(), key=lambda t: t.used)
-    return {"text": fullest.text(), "used_gib": fullest.used / 2**30, "over": [t.text() for t in placed.host_overflow()]}
+    return {"text": fullest.text(), "used_gib": fullest.used / 2**30,
+            "over": [t.text() for t in placed.host_overflow()]}
 
 
 def _memory(args: argparse.Namespace) -> int:
