@@ -186,7 +186,7 @@ def _sim(args: argparse.Namespace) -> int:
     scenario = Scenario(workload, group.size, args.preset, args.precision, host_path=args.host_path,
                         overlap_moe=args.overlap_moe, overlap_fetch=args.overlap_fetch,
                         redundant_slots=args.redundant_slots, eplb_interval=args.eplb_interval, zipf=args.zipf,
-                        steps=args.steps)
+                        steps=args.steps, model=args.model, bounded_replay=args.bounded_replay)
     report(scenario, simulate(scenario))
     return 0
 
@@ -280,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--range-ratio", type=float, default=1.0, help="ISL uniform in [ratio, 1] x isl (default 1)")
     si.add_argument("--prefix", type=int, default=0, help="prefill: cached prefix tokens loaded from the KV store")
     si.add_argument("--precision", default="fp4-fp8", choices=("fp4-fp8", "bf16"), help="checkpoint numerics")
+    si.add_argument("--model", default="v4.1-flash", choices=("v4.1-flash", "v4-flash"),
+                    help="the model's shape: DeepSeek-V4.1-Flash as published (default), or V4-Flash's")
+    si.add_argument("--bounded-replay", action=argparse.BooleanOptionalAction, default=None,
+                    help="V4.1's bounded decoder replay in prefill (default: the model's, on for V4.1)")
     si.add_argument("--host-path", default="rackserve", choices=("rackserve", "unoptimised"),
                     help="host sync: one recursive-doubling all-reduce per step, or two Gloo-style ring ones")
     si.add_argument("--overlap-moe", action="store_true", help="overlap dispatch/combine with expert compute")

@@ -23,7 +23,7 @@ from rackserve.sim.cost import (
 from rackserve.sim.experts import ExpertLoad, ExpertPlacement, eplb_trace
 from rackserve.sim.hardware import GB300, Efficiency, Hardware, assumption_rows
 from rackserve.sim.published import FIGURES, validate
-from rackserve.sim.scenario import Scenario, simulate, v4_flash
+from rackserve.sim.scenario import Scenario, simulate, v4_flash, v41_flash
 from rackserve.sim.simulator import SimRequest, Workload
 
 PLAIN = Efficiency(gemm=1.0, attention=1.0, hbm=1.0, nvlink=1.0, layer_overhead_s=0.0)
@@ -66,6 +66,39 @@ def test_model_shape_matches_the_model():
     from rackserve.models.deepseek_v4.config import ModelConfig
 
     assert ModelConfig.from_dict(transformers.DeepseekV4Config().to_dict()) == v4_flash()
+
+
+def test_v41_flash_shape_has_its_layer_roles():
+    """CSA2 by role: KV sources compress, index sources score (after the candidate source only its
+    candidate blocks), Engram layers read 24 rows, and bounded replay cuts at the last KV source."""
+    c = v41_flash()
+    shape = ModelShape.from_config(c)
+    kinds = [kind for kind, n in shape.layers.items() for _ in range(n)]
+    assert sum(shape.layers.values()) == c.num_hidden_layers == 40 and len(shape.moe_replayed) == 40
+    assert shape.moe_replayed == tuple(layer >= 20 for layer in range(40))
+    assert sum(k.replayed for k in kinds) == 20
+    assert sorted({k.rate for k in kinds}) == [0, 1, 2]
+    assert sum(k.engram_rows == 24 and k.engram_row_bytes == 264 for k in kinds) == 2  # layers 1 and 14
+    scans = sorted(k.scan for k in kinds if k.scan)
+    assert scans == [2048 * 8] * 4 + [math.inf] * 4  # re-indexing 24-36; sources 2, 8, 14, 20
+    # the routed experts dominate: 384 x 40 x 3 x 5120 x 2304
+    assert shape.num_params - shape.dense_params == 40 * 384 * 3 * 5120 * 2304
+
+
+def test_bounded_replay_runs_the_cut_layers_on_a_chunks_last_window():
+    shape = ModelShape.from_config(v41_flash())
+    exact, replay = (CostModel(shape, GB300, 2, eff=PLAIN, bounded_replay=on) for on in (False, True))
+    layers = shape.config.num_hidden_layers
+    load = [np.full((layers, 2), 8192 * 6 / 2.0)]
+    touched = [np.full((layers, 2), 196.0)]
+    prefill = [[[Chunk(0, 8192)], [Chunk(0, 8192)]]]
+    a, b = (m.step(prefill, [1, 1], load, touched) for m in (exact, replay))
+    assert b.attention_s < a.attention_s and b.dense_s < a.dense_s and b.moe_s < a.moe_s
+    # about half the layers' dense work goes (the cut layers keep 128 of 8192 rows)
+    assert 0.4 < b.dense_s / a.dense_s < 0.75
+    decode = [[[Chunk(8192, 1)], [Chunk(4096, 1)]]]
+    small = [np.full((layers, 2), 6.0)]
+    assert exact.step(decode, [1, 1], small, small) == replay.step(decode, [1, 1], small, small)
 
 
 def test_layers_wait_for_the_slowest_rank():
@@ -121,8 +154,13 @@ def test_validate_prints_every_figure_and_ends_in_json():
     rows = validate("gb300", echo=lines.append)
     assert [r.figure.key for r in rows] == [f.key for f in FIGURES]
     assert all(math.isfinite(r.rel_error) for r in rows)
+    assert all(math.isfinite(r.rel_error_before) for r in rows)
     summary = json.loads(lines[-1])
     assert summary["bench"] == "sim_validate" and all(f.key in summary for f in FIGURES)
+    assert {"rel_error", "rel_error_before"} <= set(summary["prefill_dep2"]) and "mean_abs_rel_error_before" in summary
+    assert "v4-flash" in lines[1] and "v4.1-flash" in lines[1]
+    # V4-Flash has no bounded replay; V4.1-Flash's gains
+    assert summary["replay_gain"]["before"] == 0 and summary["replay_gain"]["predicted"] > 0
     assert any("assumed" in line for line in lines)
     assert {name for name, _, _ in assumption_rows(GB300)} >= {"gb300.flops", "host.hop_s", "efficiency.gemm"}
 

@@ -1,11 +1,16 @@
-"""A roofline cost model of one engine step of a DEP instance running DeepSeek-V4.
+"""A roofline cost model of one engine step of a DEP instance running DeepSeek-V4.1 (or V4).
 
 Every matmul is a roofline of its own: time = max(FLOPs / (gemm efficiency x peak of its dtype),
 bytes / (hbm efficiency x HBM bandwidth)), bytes = weights read once per forward pass + activations
-in and out. Attention cores (sliding window, CSA top-k entries, HCA entries) and the CSA lightning
-indexer are rooflines of their own; fused elementwise work (mHC streams, norms) is bytes only; each
-layer adds a fixed overhead. Summing per-op rooflines (not one roofline over the layer) reflects
-that kernels run one after another.
+in and out. Attention cores (a sliding window, plus the top-k or all of a source's compressed entries)
+and the lightning indexer's scoring are rooflines of their own; fused elementwise work (mHC streams,
+norms) is bytes only; each layer adds a fixed overhead. Summing per-op rooflines (not one roofline over
+the layer) reflects that kernels run one after another. What a layer computes is its `LayerKind`:
+V4's CSA, HCA and sliding layers; V4.1's by compress ratio and role (KV source: a compressor; index
+source: an indexer scoring every visible entry, or after the candidate source only its candidate
+blocks; Engram: its projection, and the table rows it reads over the host link). Under bounded replay
+(V4.1) a prefill runs the layers from the last KV source on each request's last `window` rows only, its
+MoE layers too.
 
 DEP: each DP rank runs attention and the dense parts on its own tokens; at every MoE layer the
 tokens are dispatched to the ranks holding their experts and combined back, so every layer is a
@@ -24,8 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rackserve.models.deepseek_v4.config import CSA, HCA, ModelConfig
-from rackserve.models.deepseek_v4.state import ModelState
+from rackserve.models import new_state
+from rackserve.models.deepseek_v4.config import CSA, HCA
+from rackserve.models.deepseek_v41.engram import SCALE_BLOCK
 from rackserve.sim.hardware import HOST, Efficiency, Hardware, Host
 
 # Bytes per stored weight element, block scales included (MXFP4: one byte per 32 elements;
@@ -131,21 +137,39 @@ class Gemm:
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """Per-layer matmuls and attention sizes of a DeepSeek-V4 config.
+class LayerKind:
+    """What one layer computes besides its routed experts, as far as costs go.
 
-    gemms[kind]: the matmuls of one layer of that kind (attention projections, its compressors and
-    indexer, router, shared expert); expert: one routed expert (gate/up + down) as a Gemm.
+    gemms: its matmuls per token (attention projections, compressor, indexer, router, shared expert, mHC,
+    Engram's projection); rate: tokens per compressed entry it attends to (0: its window only); topk: how
+    many of them it reads (None: every one, V4's HCA); scan: the most entries its indexer scores (0: no
+    indexer; inf: every visible one); engram_rows: Engram table rows it reads per token (`engram_row_bytes`
+    each); replayed: under bounded replay a prefill runs it on each request's last `window` rows only.
     """
 
-    config: ModelConfig
-    gemms: dict[str, tuple[Gemm, ...]]
-    layers: dict[str, int]
+    gemms: tuple[Gemm, ...]
+    rate: int = 0
+    topk: int | None = None
+    scan: float = 0.0
+    engram_rows: int = 0
+    engram_row_bytes: int = 0
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Per-layer matmuls and attention sizes of a DeepSeek-V4.1 or V4 config: `layers[kind]` layers of each
+    `LayerKind`, in order of first appearance (`moe_replayed[l]`: MoE layer l is a replayed layer's);
+    expert: one routed expert (gate/up + down) as a Gemm."""
+
+    config: object
+    layers: dict[LayerKind, int]
     expert: Gemm
     lm_head: Gemm
+    moe_replayed: tuple[bool, ...]
 
     @classmethod
-    def from_config(cls, c: ModelConfig) -> ModelShape:
+    def from_config(cls, c) -> ModelShape:
         d, h, hd, qr = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank
         g, orank, inter = c.o_groups, c.o_lora_rank, c.moe_intermediate_size
         ihd, ih = c.index_head_dim, c.index_n_heads
@@ -159,22 +183,50 @@ class ModelShape:
             Gemm(3 * d * inter, d, d),  # shared expert (gate, up, down)
             Gemm((2 + c.hc_mult) * c.hc_mult * c.hc_mult * d * 2, c.hc_mult * d, (2 + c.hc_mult) * c.hc_mult * 2),
         )
-        compressor = {
-            CSA: (Gemm(2 * d * 2 * hd, d, 4 * hd),  # kv + gate, two overlapping series
-                  Gemm(2 * d * 2 * ihd, d, 4 * ihd),  # indexer compressor
-                  Gemm(qr * ih * ihd, qr, ih * ihd),  # indexer queries
-                  Gemm(d * ih, d, ih)),  # indexer head weights
-            HCA: (Gemm(2 * d * hd, d, 2 * hd),),
-        }
-        gemms = {kind: common + compressor.get(kind, ()) for kind in set(c.layer_types)}
-        layers = {kind: c.layer_types.count(kind) for kind in gemms}
-        return cls(c, gemms, layers, Gemm(3 * d * inter, d, d), Gemm(c.vocab_size * d, d, c.vocab_size))
+        queries = (Gemm(qr * ih * ihd, qr, ih * ihd), Gemm(d * ih, d, ih))  # indexer queries, head weights
+        kinds = [cls._v41_kind(c, layer, common, queries) for layer in range(c.num_hidden_layers)] \
+            if c.model_type == "deepseek_v41" else [cls._v4_kind(c, kind, common, queries) for kind in c.layer_types]
+        layers: dict[LayerKind, int] = {}
+        for kind in kinds:
+            layers[kind] = layers.get(kind, 0) + 1
+        return cls(c, layers, Gemm(3 * d * inter, d, d), Gemm(c.vocab_size * d, d, c.vocab_size),
+                   tuple(kind.replayed for kind in kinds))
+
+    @staticmethod
+    def _v4_kind(c, kind: str, common: tuple[Gemm, ...], queries: tuple[Gemm, ...]) -> LayerKind:
+        d, hd, ihd = c.hidden_size, c.head_dim, c.index_head_dim
+        if kind == CSA:  # kv + gate of two overlapping series, the indexer's own compressor, its queries
+            gemms = (Gemm(2 * d * 2 * hd, d, 4 * hd), Gemm(2 * d * 2 * ihd, d, 4 * ihd), *queries)
+            return LayerKind(common + gemms, c.csa_compress_rate, c.index_topk, math.inf)
+        if kind == HCA:
+            return LayerKind(common + (Gemm(2 * d * hd, d, 2 * hd),), c.hca_compress_rate)
+        return LayerKind(common)
+
+    @staticmethod
+    def _v41_kind(c, layer: int, common: tuple[Gemm, ...], queries: tuple[Gemm, ...]) -> LayerKind:
+        d, hd, ihd, ratio = c.hidden_size, c.head_dim, c.index_head_dim, c.compress_ratios[layer]
+        gemms = common
+        if layer in c.kv_source_layer_ids:  # kv (+ gate at ratio 2); the index keys from the latent
+            gemms += (Gemm(d * hd * min(ratio, 2), d, hd * min(ratio, 2)),)
+            if layer in c.index_source_layer_ids:
+                gemms += (Gemm(hd * ihd, hd, ihd),)
+        scan = 0.0
+        if layer in c.index_source_layer_ids:
+            gemms += queries
+            scan = c.candidate_topk_blocks * c.candidate_block_size if c.uses_candidates(layer) else math.inf
+        rows = row_bytes = 0
+        if layer in c.engram_layer_ids:
+            cols = c.engram.columns * c.engram_head_dim
+            gemms += (Gemm(cols * d * (c.hc_mult + 1), cols, d * (c.hc_mult + 1)),)
+            rows, row_bytes = c.engram.columns, c.engram_head_dim + c.engram_head_dim // SCALE_BLOCK
+        return LayerKind(gemms, ratio, c.index_topk if ratio else None, scan, rows, row_bytes,
+                         bool(c.replay_window) and layer >= c.replay_layer)
 
     @property
     def dense_params(self) -> int:
         """Every weight but the routed experts, norms and biases (embedding counted as lm_head's size):
-        what each rank of a DEP instance holds whole."""
-        layers = sum(n * sum(m.params for m in self.gemms[k]) for k, n in self.layers.items())
+        what each rank of a DEP instance holds whole (V4.1's Engram tables are in host memory, not here)."""
+        layers = sum(n * sum(m.params for m in k.gemms) for k, n in self.layers.items())
         return layers + 2 * self.lm_head.params
 
     @property
@@ -219,18 +271,20 @@ class CostModel:
     Expert loads come in as arrays (the simulator samples them): `pairs [L, P]` token-expert
     pairs each rank's experts serve in a forward pass, `touched [L, P]` its slots that got any.
     overlap_moe: dispatch/combine overlapped with expert compute (two micro-batches);
-    overlap_fetch: state loaded from host memory (a KV-store prefix) while the GPU computes.
+    overlap_fetch: state loaded from host memory (a KV-store prefix) while the GPU computes;
+    bounded_replay: the replayed layers of a prefill run on each chunk's last `window` rows (V4.1).
     """
 
     def __init__(self, shape: ModelShape, hw: Hardware, world: int, precision: Precision = Precision(),
                  eff: Efficiency = Efficiency(), host: Host = HOST, host_path: HostPath = RACKSERVE,
-                 overlap_moe: bool = False, overlap_fetch: bool = False):
+                 overlap_moe: bool = False, overlap_fetch: bool = False, bounded_replay: bool = False):
         self.shape, self.hw, self.world, self.p = shape, hw, world, precision
         self.eff, self.host, self.host_path = eff, host, host_path
         self.overlap_moe, self.overlap_fetch = overlap_moe, overlap_fetch
+        self.replay = shape.config.sliding_window if bounded_replay else 0
         self._bw = eff.hbm * hw.hbm_bytes_per_s
-        state = ModelState(shape.config, 0, 0, shape.config.min_block_size, torch.bfloat16, "meta",
-                           state_dtype=precision.state_dtype)
+        state = new_state(shape.config, 0, 0, shape.config.min_block_size, torch.bfloat16, "meta",
+                          state_dtype=precision.state_dtype)
         self._window_row, self._entry_row, self._key_row = state.row_bytes
 
     # ---- pieces (one rank, one forward pass) -------------------------------------------------------
@@ -240,21 +294,23 @@ class CostModel:
         nbytes = gemm.params * WEIGHT_BYTES[dtype] + tokens * (gemm.d_in + gemm.d_out) * self.p.act_bytes
         return roofline(flops, nbytes, self.eff.gemm * self.hw.flop_rate(dtype), self._bw)
 
-    def dense_s(self, kind: str, tokens: float) -> float:
+    def dense_s(self, kind: LayerKind, tokens: float) -> float:
         """One layer of `kind`: its matmuls and fused elementwise work (mHC: each sublayer reads the
-        hc streams twice and writes them once), for `tokens` tokens."""
+        hc streams twice and writes them once), and its Engram rows read over the host link, for `tokens`
+        tokens."""
         if tokens == 0:
             return 0.0
         c = self.shape.config
         elementwise = tokens * 2 * 3 * c.hc_mult * c.hidden_size * self.p.act_bytes / self._bw
-        return sum(self.gemm_s(g, tokens, self.p.dense) for g in self.shape.gemms[kind]) + elementwise
+        engram = tokens * kind.engram_rows * kind.engram_row_bytes / self.hw.host_link_bytes_per_s
+        return sum(self.gemm_s(g, tokens, self.p.dense) for g in kind.gemms) + elementwise + engram
 
-    def attention_s(self, kind: str, chunks: list[Chunk]) -> float:
+    def attention_s(self, kind: LayerKind, chunks: list[Chunk]) -> float:
         """The attention core of one layer of `kind` over `chunks` (all one rank's, one pass).
 
-        A query at 1-based position n sees min(n, W) window keys and n/rate compressed entries
-        (CSA: the indexer scores all n/4 and attention reads the top `index_topk`). Each request's
-        keys are read from HBM once per chunk.
+        A query at 1-based position n sees min(n, W) window keys and n/rate compressed entries, all of
+        them or the top `topk`; its indexer scores min(n/rate, scan) of them. Each request's keys are
+        read from HBM once per chunk.
         """
         if not chunks:
             return 0.0
@@ -265,16 +321,14 @@ class CostModel:
         # state rows read per request, each in the bytes the runtime stores it in
         nbytes = np.minimum(hi, c.sliding_window).sum() * self._window_row
         index_flops = 0.0
-        if kind == HCA:
-            keys = keys + sum_min(lo, hi, math.inf) / c.hca_compress_rate
-            nbytes += (hi // c.hca_compress_rate).sum() * self._entry_row
-        elif kind == CSA:
-            rate = c.csa_compress_rate
-            keys = keys + sum_min(lo, hi, rate * c.index_topk) / rate
-            nbytes += np.minimum(hi // rate, c.index_topk).sum() * self._entry_row
-            scanned = sum_min(lo, hi, math.inf) / rate
+        if kind.rate:
+            rate, topk = kind.rate, kind.topk or math.inf
+            keys = keys + sum_min(lo, hi, rate * topk) / rate
+            nbytes += np.minimum(hi // rate, topk).sum() * self._entry_row
+        if kind.scan:
+            scanned = sum_min(lo, hi, kind.rate * kind.scan) / kind.rate
             index_flops = 2.0 * c.index_n_heads * c.index_head_dim * scanned.sum()
-            nbytes += (hi // rate).sum() * self._key_row  # the indexer reads every key
+            nbytes += np.minimum(hi // kind.rate, kind.scan).sum() * self._key_row  # the indexer reads each key
         flops = 4.0 * c.num_attention_heads * c.head_dim * keys.sum()  # q.k and p.v
         rate = self.eff.attention
         compute = flops / (rate * self.hw.flop_rate(self.p.attention))
@@ -293,7 +347,8 @@ class CostModel:
     def moe_s(self, tokens: np.ndarray, pairs: np.ndarray, touched: np.ndarray) -> tuple[np.ndarray, float]:
         """MoE layers of one pass: (per-rank seconds `[P]` summed over layers, gang seconds).
 
-        tokens `[P]` each rank's tokens; pairs, touched `[L, P]` (see the class doc). A rank sends
+        tokens `[P]` each rank's tokens (or `[L, P]`, per layer); pairs, touched `[L, P]` (see the class doc).
+        A rank sends
         each of its tokens' k expert rows to the rank that holds it (a fraction (P-1)/P is remote)
         and receives the rows of its experts; combine sends them back (wider). Without overlap a
         layer is dispatch + experts + combine; with overlap (two micro-batches) the longer of the
@@ -302,7 +357,7 @@ class CostModel:
         c, p, x = self.shape.config, self.world, self.shape.expert
         remote = (p - 1) / p
         hidden = c.hidden_size
-        sent = tokens[None, :] * c.num_experts_per_tok * remote  # rows each rank sends, [1, P]
+        sent = np.atleast_2d(tokens) * c.num_experts_per_tok * remote  # rows each rank sends, [1 or L, P]
         got = pairs * remote
         rows = np.maximum(sent, got)
         exchange = np.zeros_like(rows)
@@ -315,6 +370,13 @@ class CostModel:
         experts = np.maximum(flops / (self.eff.gemm * self.hw.flop_rate(self.p.experts)), nbytes / self._bw)
         per_layer = np.maximum(exchange, experts) if self.overlap_moe else exchange + experts
         return per_layer.sum(0), float(per_layer.max(1).sum())
+
+    def _replay_rows(self, chunks: list[Chunk]) -> list[Chunk]:
+        """`chunks` as the replayed layers run them: each chunk's last `replay` rows (all without replay)."""
+        if not self.replay:
+            return chunks
+        return [Chunk(ch.start + ch.num_tokens - min(ch.num_tokens, self.replay), min(ch.num_tokens, self.replay),
+                      ch.samples) for ch in chunks]
 
     def host_sync_s(self) -> float:
         """The per-step host all-reduces plus the wait for the slowest rank's host work."""
@@ -338,14 +400,23 @@ class CostModel:
         busy = np.zeros(p)
         for ranks, pair, touch in zip(passes, pairs, touched):
             tokens = np.array([max(1, sum(ch.num_tokens for ch in chunks)) for chunks in ranks], np.float64)
+            kept = [self._replay_rows(chunks) for chunks in ranks]
+            kept_tokens = np.array([max(1, sum(ch.num_tokens for ch in chunks)) for chunks in kept], np.float64)
             for kind, count in layers.items():
-                att = np.array([self.attention_s(kind, chunks) for chunks in ranks])
-                den = np.array([self.dense_s(kind, t) for t in tokens])
+                mine, n = (kept, kept_tokens) if kind.replayed and self.replay else (ranks, tokens)
+                att = np.array([self.attention_s(kind, chunks) for chunks in mine])
+                den = np.array([self.dense_s(kind, t) for t in n])
                 # a layer waits for its slowest rank; attribute the wait by the slowest rank's split
                 slowest = int(np.argmax(att + den))
                 attention += count * att[slowest]
                 dense += count * den[slowest]
                 busy += count * (att + den)
+            if self.replay and (kept_tokens < tokens).any():  # the replayed MoE layers route the kept rows only
+                cut = np.array(self.shape.moe_replayed)[:, None]
+                share = kept_tokens.sum() / tokens.sum()
+                tokens = np.where(cut, kept_tokens[None, :], tokens[None, :])
+                pair = np.where(cut, pair * share, pair)
+                touch = np.where(cut, np.minimum(touch, np.ceil(pair)), touch)
             rank_moe, gang_moe = self.moe_s(tokens, pair, touch)
             moe += gang_moe
             busy += rank_moe

@@ -4,7 +4,10 @@
 
 Every figure carries the source's wording and what the simulation had to assume because the source
 does not say it. Constants are global (rackserve.sim.hardware); none is set per figure.
-The relative error is (predicted - published) / published. The last line printed is one JSON object.
+The relative error is (predicted - published) / published. Each figure is predicted twice: on the
+V4-Flash shape the simulator modelled before ("v4-flash") and on V4.1-Flash's published shape
+("v4.1-flash", which the figures were measured on): the errors before and after. The last line printed
+is one JSON object.
 """
 
 from __future__ import annotations
@@ -16,24 +19,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rackserve.models.deepseek_v41 import FLASH_CONFIG
 from rackserve.sim.experts import ExpertLoad, ExpertPlacement, eplb_trace
 from rackserve.sim.hardware import assumption_rows, preset
-from rackserve.sim.scenario import ZIPF, Scenario, simulate, v4_flash
+from rackserve.sim.scenario import MODELS, ZIPF, Scenario, simulate
 from rackserve.sim.simulator import Workload
 
 PREFILL_ISL, PREFILL_RATIO, PREFILL_BATCH = 8192, 0.5, 2
 DECODE_ISL, DECODE_OSL, DECODE_RATIO, DECODE_BATCH = 8192, 1024, 0.8, 128
 EPLB_RANKS, EPLB_INTERVAL = 32, 3000
 PREFIX, PREFIX_NEW = 131072, 65536
+REPLAY_NEW = 32768
+BEFORE, AFTER = "v4-flash", "v4.1-flash"  # the shape modelled before, and the one the figures are of
 
 _PREFILL = (f"ISL uniform in [{PREFILL_RATIO:g}, 1] x {PREFILL_ISL}, {PREFILL_BATCH} requests in flight per rank, "
-            "round-robin over ranks, 16,384-token steps, BF16 indexer, no overlap")
+            "round-robin over ranks, 16,384-token steps, BF16 indexer, no overlap, bounded replay as the model "
+            "serves (V4.1: on)")
 _DECODE = (f"{DECODE_BATCH} requests per rank, context {DECODE_RATIO:g}-1 x {DECODE_ISL} + up to {DECODE_OSL} out, "
            "no MTP pass, EPLB on (288 slots), unoptimised host path (ring, 2 syncs/step)")
 _EPLB = (f"DEP{EPLB_RANKS}, 288 slots, {DECODE_BATCH} tokens/rank/step; Zipf({ZIPF:g}) expert popularity per "
          "layer, fixed; after = next window under the new layout")
 _PREFIX = ("DEP2, 128K prefix loaded from the KV store + 64K new tokens, 2 per rank; optimisations assumed: "
            "FP8 indexer (was BF16), dispatch/combine overlapped with experts, prefix load overlapped")
+_REPLAY = (f"DEP2, {REPLAY_NEW // 1024}K new tokens, 2 per rank, 16,384-token steps, FP8 indexer; throughput with "
+           "bounded replay over without, - 1 (V4-Flash has no replay: 0)")
 
 
 @dataclass(frozen=True)
@@ -81,26 +90,36 @@ FIGURES = (
            "128K cached prefix then 64K new tokens: prefill 71.2K tok/s/GPU", "cached input counted; " + _PREFIX),
     Figure("prefix_after", "128K cached + 64K new, after", 102.5e3, "tok/s",
            "102.5K tok/s/GPU after the three prefill optimisations", "cached input counted; " + _PREFIX),
+    Figure("replay_gain", "bounded replay prefill gain, 32K new", 0.199, "share",
+           "decoder bounded replay: +19.9% prefill throughput at 32K new tokens", _REPLAY),
 )
 
 
 @dataclass(frozen=True)
 class Row:
+    """A figure with its predictions on V4.1-Flash's shape (`predicted`) and on the V4-Flash shape (`before`)."""
+
     figure: Figure
     predicted: float
+    before: float
 
     @property
     def rel_error(self) -> float:
         return (self.predicted - self.figure.published) / self.figure.published
 
+    @property
+    def rel_error_before(self) -> float:
+        return (self.before - self.figure.published) / self.figure.published
 
-def predict(hardware: str = "gb300") -> dict[str, float]:
-    """Every figure's prediction by key (seconds, tokens/s, ratios), plus `rackserve_step_dep32`:
-    the DEP32 decode step with rackserve's host path (no public figure)."""
+
+def predict(hardware: str = "gb300", model: str = AFTER) -> dict[str, float]:
+    """Every figure's prediction by key (seconds, tokens/s, ratios) for `model` (a key of `MODELS`), plus
+    `rackserve_step_dep32`: the DEP32 decode step with rackserve's host path (no public figure)."""
     out: dict[str, float] = {}
     prefill = Workload("prefill", PREFILL_ISL, range_ratio=PREFILL_RATIO)
     for dep in (2, 4):
-        r = simulate(Scenario(_batch(prefill, dep, PREFILL_BATCH), dep, hardware, indexer="bf16", steps=60))
+        r = simulate(Scenario(_batch(prefill, dep, PREFILL_BATCH), dep, hardware, model=model, indexer="bf16",
+                              steps=60))
         out[f"prefill_dep{dep}"] = r.input_tokens_per_gpu_s
         if dep == 4:
             out["prefill_out_of_sync"] = r.out_of_sync
@@ -109,29 +128,46 @@ def predict(hardware: str = "gb300") -> dict[str, float]:
     decode = Workload("decode", DECODE_ISL, DECODE_OSL, DECODE_RATIO)
     step = {}
     for dep in (4, 16, 32):
-        r = simulate(Scenario(_batch(decode, dep, DECODE_BATCH), dep, hardware, host_path="unoptimised", steps=16))
+        r = simulate(Scenario(_batch(decode, dep, DECODE_BATCH), dep, hardware, model=model, host_path="unoptimised",
+                              steps=16))
         step[dep] = r
         out[f"decode_moe_dep{dep}"] = r.mean("moe_s")
     out["decode_rest_dep32"] = step[32].mean("total_s") - step[32].mean("moe_s")
     out["host_step_dep16"], out["host_step_dep32"] = step[16].mean("total_s"), step[32].mean("total_s")
     out["host_gpu_gain"] = step[16].mean("gpu_s") - step[32].mean("gpu_s")
-    ours = simulate(Scenario(_batch(decode, 32, DECODE_BATCH), 32, hardware, steps=16))
+    ours = simulate(Scenario(_batch(decode, 32, DECODE_BATCH), 32, hardware, model=model, steps=16))
     out["rackserve_step_dep32"] = ours.mean("total_s")
 
-    model = v4_flash()
-    slots = model.n_routed_experts + 32
-    for name, layers in (("target", model.num_hidden_layers), ("draft", model.num_nextn_predict_layers)):
+    for name, (layers, experts, topk) in _moe_layers(model).items():
         rng = np.random.default_rng(0)
-        load = ExpertLoad(layers, model.n_routed_experts, model.num_experts_per_tok, ZIPF, rng)
-        placement = ExpertPlacement(layers, model.n_routed_experts, slots, EPLB_RANKS)
+        load = ExpertLoad(layers, experts, topk, ZIPF, rng)
+        placement = ExpertPlacement(layers, experts, experts + 32, EPLB_RANKS)
         first = eplb_trace(load, placement, EPLB_INTERVAL * DECODE_BATCH * EPLB_RANKS, windows=2)[0]
         out[f"eplb_{name}_before"], out[f"eplb_{name}_after"] = first.before, first.after
 
     prefix = Workload("prefill", PREFIX_NEW, prefix=PREFIX)
     for name, optimised in (("before", False), ("after", True)):
-        r = simulate(Scenario(_batch(prefix, 2, 2), 2, hardware, indexer="fp8" if optimised else "bf16",
+        r = simulate(Scenario(_batch(prefix, 2, 2), 2, hardware, model=model, indexer="fp8" if optimised else "bf16",
                               overlap_moe=optimised, overlap_fetch=optimised, steps=40))
         out[f"prefix_{name}"] = r.input_tokens_per_gpu_s
+
+    new = Workload("prefill", REPLAY_NEW)
+    rates = [simulate(Scenario(_batch(new, 2, 2), 2, hardware, model=model, indexer="fp8", bounded_replay=replay,
+                               steps=12)).input_tokens_per_gpu_s for replay in (False, None)]
+    out["replay_gain"] = rates[1] / rates[0] - 1
+    return out
+
+
+def _moe_layers(model: str) -> dict[str, tuple[int, int, int]]:
+    """(MoE layers, experts, experts per token) of the target model and of its draft: V4's one MTP layer
+    of the target's experts, V4.1's DSpark stages (their own experts, from the published config.json)."""
+    c = MODELS[model]()
+    out = {"target": (c.num_hidden_layers, c.n_routed_experts, c.num_experts_per_tok)}
+    if model == BEFORE:
+        out["draft"] = (c.num_nextn_predict_layers, c.n_routed_experts, c.num_experts_per_tok)
+    else:
+        raw = json.loads(FLASH_CONFIG.read_text())["text_config"]
+        out["draft"] = (c.num_nextn_predict_layers, raw["dspark_n_routed_experts"], raw["dspark_num_experts_per_tok"])
     return out
 
 
@@ -145,19 +181,20 @@ def _show(value: float, unit: str) -> str:
 
 
 def validate(hardware: str = "gb300", echo: Callable[[str], None] = print) -> list[Row]:
-    """Print the published-vs-predicted table, the assumptions, and a JSON line; the rows."""
-    predicted = predict(hardware)
-    rows = [Row(f, predicted[f.key]) for f in FIGURES]
+    """Print the published-vs-predicted table (on both shapes), the assumptions, and a JSON line; the rows."""
+    predicted, before = predict(hardware, AFTER), predict(hardware, BEFORE)
+    rows = [Row(f, predicted[f.key], before[f.key]) for f in FIGURES]
     hw = preset(hardware)
-    echo(f"DeepSeek-V4.1-Flash (284B, FP4 experts / FP8 dense assumed) on {hw.name}; published figures are "
-         "GB300 NVL72. rel. error = (predicted - published) / published")
-    echo(f"{'figure':<40} {'unit':>6} {'published':>10} {'predicted':>10} {'rel.err':>8}")
+    echo(f"DeepSeek-V4.1-Flash's published figures (GB300 NVL72) against predictions on {hw.name}, on the V4-Flash "
+         "shape modelled before and on V4.1-Flash's own (FP4 experts / FP8 dense assumed); rel. error = "
+         "(predicted - published) / published")
+    echo(f"{'figure':<40} {'unit':>6} {'published':>10} {BEFORE:>10} {'rel.err':>8} {AFTER:>10} {'rel.err':>8}")
     for row in rows:
         f = row.figure
-        echo(f"{f.what:<40} {f.unit:>6} {_show(f.published, f.unit):>10} {_show(row.predicted, f.unit):>10} "
-             f"{row.rel_error:>+8.1%}")
-    echo(f"{'(no figure) DEP32 step, rackserve host':<40} {'ms':>6} {'':>10} "
-         f"{_show(predicted['rackserve_step_dep32'], 'ms'):>10}")
+        echo(f"{f.what:<40} {f.unit:>6} {_show(f.published, f.unit):>10} {_show(row.before, f.unit):>10} "
+             f"{row.rel_error_before:>+8.1%} {_show(row.predicted, f.unit):>10} {row.rel_error:>+8.1%}")
+    ours = [_show(p["rackserve_step_dep32"], "ms") for p in (before, predicted)]
+    echo(f"{'(no figure) DEP32 step, rackserve host':<40} {'ms':>6} {'':>10} {ours[0]:>10} {'':>8} {ours[1]:>10}")
     echo("\nwhat each row assumed beyond the source:")
     seen = set()
     for f in FIGURES:
@@ -167,9 +204,11 @@ def validate(hardware: str = "gb300", echo: Callable[[str], None] = print) -> li
     for name, value, source in assumption_rows(hw):
         echo(f"  {name:<28} {value:<34} {source}")
     summary = {"bench": "sim_validate", "preset": hw.name,
-               "mean_abs_rel_error": round(float(np.mean([abs(r.rel_error) for r in rows])), 3)}
+               "mean_abs_rel_error": round(float(np.mean([abs(r.rel_error) for r in rows])), 3),
+               "mean_abs_rel_error_before": round(float(np.mean([abs(r.rel_error_before) for r in rows])), 3)}
     summary.update({r.figure.key: {"published": r.figure.published, "predicted": _round(r.predicted),
-                                   "rel_error": round(r.rel_error, 3)} for r in rows})
+                                   "rel_error": round(r.rel_error, 3), "before": _round(r.before),
+                                   "rel_error_before": round(r.rel_error_before, 3)} for r in rows})
     echo(json.dumps(summary))
     return rows
 

@@ -1,9 +1,12 @@
 """One simulated configuration, end to end: `simulate(Scenario(...)) -> SimResult`.
 
-The model is DeepSeek-V4.1-Flash class: `ModelConfig.from_dict({})`, which equals the
-`transformers.DeepseekV4Config` defaults (43 layers, hidden 4096, 256 experts top-6; 284B weights).
+The model (`MODELS`) is DeepSeek-V4.1-Flash's published shape by default (`rackserve.models.deepseek_v41`'s
+`flash_config.json`: 40 layers, hidden 5120, 384 experts top-6, CSA2 with four KV sources, Engram on
+layers 1 and 14, bounded replay from layer 20), or "v4-flash": the V4-Flash shape the simulator modelled
+before (`transformers.DeepseekV4Config`'s defaults: 43 layers, hidden 4096, 256 experts; 284B weights).
 Engine knobs default to those of `deploy/gb300-nvl72.yaml` (prefill: 8 sequences, 16,384 tokens
-per step; decode: 128 sequences, 32 redundant expert slots, EPLB every 3,000 steps).
+per step; decode: 128 sequences, 32 redundant expert slots, EPLB every 3,000 steps); bounded replay is
+the model's default (on for V4.1).
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import numpy as np
 import torch
 
 from rackserve.config import EngineConfig
+from rackserve.models import new_state, read_config
 from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.models.deepseek_v4.memory import WORKSPACE_BYTES
-from rackserve.models.deepseek_v4.state import ModelState
+from rackserve.models.deepseek_v41 import FLASH_CONFIG
 from rackserve.sim.cost import (
     PRECISIONS,
     RACKSERVE,
@@ -36,8 +40,16 @@ ZIPF = 1.0  # assumed expert-popularity skew (the EPLB benchmark's default)
 
 
 def v4_flash() -> ModelConfig:
-    """The DeepSeek-V4.1-Flash-class shape (the reference config's defaults)."""
+    """The DeepSeek-V4-Flash shape (the reference config's defaults)."""
     return ModelConfig.from_dict({})
+
+
+def v41_flash():
+    """DeepSeek-V4.1-Flash's published shape."""
+    return read_config(FLASH_CONFIG)
+
+
+MODELS = {"v4.1-flash": v41_flash, "v4-flash": v4_flash}
 
 
 @dataclass(frozen=True)
@@ -46,7 +58,8 @@ class Scenario:
 
     batch: requests in flight per rank (closed loop). redundant_slots: extra expert slots over the
     instance (EPLB replicas). precision: a key of `cost.PRECISIONS`; indexer: override its indexer
-    dtype. host_path: "rackserve" or "unoptimised".
+    dtype. host_path: "rackserve" or "unoptimised". model: a key of `MODELS`. bounded_replay: None for the
+    model's default.
     """
 
     workload: Workload
@@ -65,6 +78,8 @@ class Scenario:
     zipf: float = ZIPF
     steps: int = 40
     warmup: int = 4
+    model: str = "v4.1-flash"
+    bounded_replay: bool | None = None
 
     @property
     def prefill(self) -> bool:
@@ -78,19 +93,23 @@ class Scenario:
         length = self.max_model_len or max(16384, w.prefix + w.isl + w.osl + 1)
         # decode ranks get their state pushed; prefixes are cached by prefill ranks and KV stores
         return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=length,
-                            prefix_caching=self.prefill, max_new_kv_loads_per_step=4)
+                            prefix_caching=self.prefill, max_new_kv_loads_per_step=4,
+                            bounded_replay=self.bounded_replay)
 
 
 def simulate(s: Scenario) -> SimResult:
     """Run scenario `s` and return its totals."""
-    model = v4_flash()
+    if s.model not in MODELS:
+        raise ValueError(f"model={s.model!r}: the simulator knows {sorted(MODELS)}")
+    model = MODELS[s.model]()
     hw = preset(s.hardware)
     precision = PRECISIONS[s.precision]
     if s.indexer:
         precision = replace(precision, indexer=s.indexer)
     shape = ModelShape.from_config(model)
     cost = CostModel(shape, hw, s.dep, precision, Efficiency(), host_path=HOST_PATHS[s.host_path],
-                     overlap_moe=s.overlap_moe, overlap_fetch=s.overlap_fetch)
+                     overlap_moe=s.overlap_moe, overlap_fetch=s.overlap_fetch,
+                     bounded_replay=s.engine().resolve(model).bounded_replay)
     rng = np.random.default_rng(s.workload.seed)
     layers, experts = model.num_hidden_layers, model.n_routed_experts
     slots = -(-(experts + s.redundant_slots) // s.dep) * s.dep
@@ -111,7 +130,7 @@ def state_budget(shape: ModelShape, hw: Hardware, dep: int, precision: Precision
     routed = c.num_hidden_layers * c.n_routed_experts * shape.expert.params / dep
     free = (hw.hbm_bytes - shape.dense_params * WEIGHT_BYTES[precision.dense] - routed * WEIGHT_BYTES[precision.experts]
             - WORKSPACE_BYTES)
-    probe = ModelState(c, 1, 1, e.block_size, torch.bfloat16, device="meta", state_dtype=precision.state_dtype)
+    probe = new_state(c, 1, 1, e.block_size, torch.bfloat16, "meta", state_dtype=precision.state_dtype)
     need = e.max_num_seqs * (2 * probe.slot_bytes + probe.pages_for(e.max_model_len) * probe.page_bytes)
     return int(max(0.0, min(free, need)))
 
