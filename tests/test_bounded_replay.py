@@ -123,3 +123,13 @@ def test_the_engine_reuses_a_block_without_a_snapshot(v41_checkpoint, replay, ca
     [again] = llm.generate(first[:20] + prompt(12, seed=7), params)
     assert again.num_cached_tokens == cached and len(again.token_ids) == 4
     assert llm.engine.cache.stats.replayed_tokens == (W if replay else 0)
+
+
+def test_async_scheduling_gives_the_same_tokens_with_bounded_replay(v41_checkpoint):
+    """Prefills that are cut run beside decodes whose token is written on the device after the batch was
+    built (async scheduling): the kept rows read it too."""
+    prompts = [prompt(n, seed=20 + n) for n in (40, 9, 70, 25)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [c.token_ids for c in LLM(v41_checkpoint, max_num_batched_tokens=48).generate(prompts, params)]
+    llm = LLM(v41_checkpoint, max_num_batched_tokens=48, async_scheduling=True)
+    assert [c.token_ids for c in llm.generate(prompts, params)] == want

@@ -122,6 +122,8 @@ class DeepseekV41ForCausalLM(CausalLM):
         engram = self._engram_rows(batch, state)
         selection = eligible = None
         step, replay = batch, batch.replay
+        if replay is not None:  # the kept rows' tokens as they are now (the runner writes pending ones late)
+            replay.first.input_ids = replay.rest.input_ids = batch.input_ids.index_select(0, replay.rows)
         for layer in m.layers:
             values = None if layer.engram is None else engram[layer.engram.table]
             rotary = self.rotary(layer.self_attn.ratio)
