@@ -21,4 +21,5 @@ def test_bounded_replay_bench_reports_accuracy_and_speed(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("accuracy:") and json.loads(lines[-1]) == result
     # two prefills and one hit (at 128 of 256) per model, and one speed row
-    assert sum(" prefill " in line for line in lines) == 4 and sum("hit at 128" in line for line in lines) == 2
+    cases = [line.split()[1] for line in lines if line.split()[:1] in (["tiny"], ["flash-layout"])]
+    assert cases.count("prefill") == 4 and cases.count("hit") == 2
