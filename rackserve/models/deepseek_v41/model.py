@@ -4,8 +4,10 @@ embed -> `hc_mult` copies -> blocks (`decoder.Block`: Engram, attention, MoE in 
 collapse with the last MoE's weights -> norm -> head. Module names follow V4's (`model.layers.N.self_attn…`,
 see `checkpoint_names.V41_NAMES` for DeepSeek's). The Engram tables are not parameters: the loader
 maps them into `engram_tables` (host memory: from the checkpoint files, or the node's one shared copy), and
-`ngram` computes which of their rows each token reads. The DSpark draft stages (`mtp.*`) are not
-served yet. This is the family's `ServingModel` (`rackserve.models.interface`).
+`ngram` computes which of their rows each token reads. Under bounded replay a prefill batch carries its
+cut (`ForwardBatch.replay`): the last KV source's block writes every row's state and runs on the kept rows
+(`Block.cut`), the blocks above on those rows only. The DSpark draft stages (`mtp.*`) are not served
+yet. This is the family's `ServingModel` (`rackserve.models.interface`).
 """
 
 from __future__ import annotations
