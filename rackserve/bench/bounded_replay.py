@@ -53,11 +53,10 @@ FLASH_LAYOUT = {
     "dspark_target_layer_ids": [37, 38, 39],
 }
 BLOCK = 128  # tokens per page and prefix-cache block
-VOCAB = 512  # the tiny checkpoints' vocabulary
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def new_cache(model, replay: bool, snapshots: int = 0, prefix_caching: bool = True) -> StateCache:
@@ -91,7 +90,7 @@ def accuracy(path: Path, lengths: list[int], seeds: int, greedy: int) -> list[di
     rows = []
     for n in lengths:
         for seed in range(seeds):
-            ids = prompt(n, seed)
+            ids = prompt(n, seed, model.config.vocab_size)
             row = {"length": n, "seed": seed, "case": "prefill"}
             row.update(compare(*(prefill(model, new_cache(model, r, prefix_caching=False), ids, len(ids))
                                  for r in (False, True))))
@@ -105,7 +104,7 @@ def accuracy(path: Path, lengths: list[int], seeds: int, greedy: int) -> list[di
             if shared:
                 cache = new_cache(model, True)
                 prefill(model, cache, ids, len(ids))
-                other = ids[:shared] + prompt(n - shared, seed + 1000)
+                other = ids[:shared] + prompt(n - shared, seed + 1000, model.config.vocab_size)
                 replayed = prefill(model, cache, other, len(other))
                 assert cache.stats.replayed_tokens, "the hit did not replay"
                 hit = {"length": n, "seed": seed, "case": f"hit at {shared}"}
@@ -119,7 +118,7 @@ def speed(path: Path, lengths: list[int], prefix: int, chunk: int, iters: int) -
     model = load_model(path)
     rows = []
     for n in lengths:
-        ids = prompt(prefix + n, seed=n)
+        ids = prompt(prefix + n, n, model.config.vocab_size)
         seconds = {}
         for replay in (False, True):
             cache = new_cache(model, replay, snapshots=0 if replay else 1)

@@ -403,7 +403,7 @@ class CostModel:
             kept = [self._replay_rows(chunks) for chunks in ranks]
             kept_tokens = np.array([max(1, sum(ch.num_tokens for ch in chunks)) for chunks in kept], np.float64)
             for kind, count in layers.items():
-                mine, n = (kept, kept_tokens) if kind.replayed and self.replay else (ranks, tokens)
+                mine, n = (kept, kept_tokens) if kind.replayed else (ranks, tokens)  # kept: all rows without replay
                 att = np.array([self.attention_s(kind, chunks) for chunks in mine])
                 den = np.array([self.dense_s(kind, t) for t in n])
                 # a layer waits for its slowest rank; attribute the wait by the slowest rank's split
