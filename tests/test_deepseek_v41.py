@@ -161,7 +161,7 @@ def test_engram_hash_against_hand_computed_rows():
     token_map = [7, 3, 9, 1, 4, 4, 8, 0, 2, 6]
     hasher.setup(token_map)
     cfg = ModelConfig.from_dict({"text_config": {**TINY_TEXT_CONFIG, "engram_layer_ids": [],
-                                                 "vocab_size": 10}})
+                                                 "vocab_size": 10, "dspark_noise_token_id": 9}})
     cache_state = models.new_state(cfg, 1, 4, 4)
     cache_state.lookback, cache_state.lookback_ids = 4, torch.zeros(1, 4, 1, dtype=torch.int32)
     handle = RequestState(slot=0, pages=[0, 1, 2])
@@ -268,9 +268,12 @@ def test_indexer_ties_keep_the_lowest_entry():
     ({"index_source_layer_ids": [2, 5, 7]}, "no index source"),
     ({"kv_source_layer_ids": [2, 4]}, "no KV source of the same ratio"),
     ({"candidate_source_layer_id": 6}, "must be an index source"),
-    ({"compress_ratios": [0, 0, 2, 2, 2, 1, 1, 3, 0]}, "values \\[3\\] are not supported"),
+    ({"compress_ratios": [0, 0, 2, 2, 2, 1, 1, 3, 0, 0, 0]}, "values \\[3\\] are not supported"),
     ({"gate_temp": 2.0}, "gate_temp"),
     ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"dspark_num_experts_per_tok": 5}, "exceeds dspark_n_routed_experts=4"),
+    ({"dspark_noise_token_id": 600}, "dspark_noise_token_id=600 is not a token id"),
+    ({"dspark_target_layer_ids": [7, 6]}, "dspark_target_layer_ids"),
 ])
 def test_inconsistent_configs_fail_naming_the_field(v41_checkpoint, change, match):
     raw = json.loads((v41_checkpoint / "config.json").read_text())
@@ -353,7 +356,8 @@ def test_the_load_skips_what_text_serving_does_not_read_and_maps_the_tables(mode
     assert any(n.startswith("vision.") for n in index) and any(n.startswith("mtp.0.") for n in index)
     assert any(n.endswith(".bias_vl") for n in index) and "image_newline" in index
     names = set(model.state_dict())
-    assert not any("vision" in n or "bias_vl" in n or "mtp" in n or "engram.embed" in n for n in names)
+    assert not any("vision" in n or "bias_vl" in n or "engram.embed" in n for n in names)
+    assert any(n.startswith("mtp.2.markov_head.") for n in names)  # the DSpark stages load
     # the tables are the files' pages (mapped), not copies: their memory lies in a mapping of a shard
     maps = [line.split() for line in open("/proc/self/maps") if ".safetensors" in line]
     spans = [tuple(int(x, 16) for x in fields[0].split("-")) for fields in maps]

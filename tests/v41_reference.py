@@ -8,9 +8,17 @@ candidate blocks, compression groups) is a plain loop over positions.
 
     ref = ReferenceV41(checkpoint_dir)
     ref.logits(token_ids)  # [len(token_ids), vocab] fp32, one forward over the whole sequence
+    drafts, logits, confidence = ref.dspark(token_ids, last)  # one greedy DSpark draft pass
 
-Ties in every top-k (indexer, candidate blocks, MoE routing): higher score first, equal scores
--> lowest index first.
+`dspark(token_ids, last)`: the main forward over token_ids (n positions), then the draft stages
+(`mtp.*`) over the block [last, noise, ...] at positions n .. n+B-1 (B = dspark_block_size), where
+`last` is the token chosen for position n. Returns the B drafts (greedy, for positions n+1 .. n+B),
+their [B, vocab] fp32 logits with the Markov bias added, and [B] fp32 raw confidences (before any
+sigmoid). The meaning is DeepSeek's `DSparkBlock` / `Transformer.forward_spec`, again without
+activation or KV quantisation (the context KV and the block's own KV are fp32).
+
+Ties in every top-k (indexer, candidate blocks, MoE routing, greedy drafts): higher score first,
+equal scores -> lowest index first.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +34,7 @@ import torch
 from safetensors import safe_open
 
 BLOCK = 32  # FP8 weight block (32x32), FP8 row / FP4 column scale group (32)
-IGNORED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
+IGNORED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -81,6 +90,13 @@ class ConfigV41:
     engram_num_embeddings: tuple[int, ...] | None
     engram_pad_token_id: int
     engram_compressed_vocab_size: int | None
+    num_nextn_predict_layers: int  # DSpark stages, `mtp.0.*` .. `mtp.{S-1}.*`
+    dspark_block_size: int
+    dspark_noise_token_id: int | None  # None: the config names none (no draft pass possible)
+    dspark_target_layer_ids: tuple[int, ...]
+    dspark_markov_rank: int
+    dspark_n_routed_experts: int  # the main layers' count where the config says 0 or nothing
+    dspark_num_experts_per_tok: int  # likewise
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ConfigV41":
@@ -92,6 +108,10 @@ class ConfigV41:
         rope = c.get("rope_scaling") or {}
         yarn = rope.get("type", rope.get("rope_type")) == "yarn"
         cand = c.get("candidate_source_layer_id")
+        stage_ratios = c["compress_ratios"][n_layers:]
+        if any(stage_ratios):  # DeepSeek's DSparkAttention asserts a pure sliding window
+            raise ValueError(f"{path}: DSpark stages' compress ratios {stage_ratios} must all be 0")
+        noise = c.get("dspark_noise_token_id")
         return cls(
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
@@ -138,6 +158,13 @@ class ConfigV41:
             engram_num_embeddings=tuple(c["engram_num_embeddings"]) if c.get("engram_num_embeddings") else None,
             engram_pad_token_id=int(c.get("engram_pad_token_id", 2)),
             engram_compressed_vocab_size=c.get("engram_compressed_vocab_size"),
+            num_nextn_predict_layers=int(c.get("num_nextn_predict_layers") or 0),
+            dspark_block_size=int(c.get("dspark_block_size") or 0),
+            dspark_noise_token_id=None if noise is None else int(noise),
+            dspark_target_layer_ids=tuple(c.get("dspark_target_layer_ids") or ()),
+            dspark_markov_rank=int(c.get("dspark_markov_rank") or 0),
+            dspark_n_routed_experts=int(c.get("dspark_n_routed_experts") or c["n_routed_experts"]),
+            dspark_num_experts_per_tok=int(c.get("dspark_num_experts_per_tok") or c["num_experts_per_tok"]),
         )
 
     def latest(self, layers: tuple[int, ...], layer: int) -> int:
@@ -215,7 +242,8 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """All text-model weights, dequantised to fp32 (`mtp.*`, `vision.*`, `aligner.*`, `image_*` dropped)."""
+    """All text-model weights, DSpark's `mtp.*` included, dequantised to fp32 (`vision.*`, `aligner.*`, `image_*`
+    dropped)."""
     raw = {k: v for k, v in read_safetensors(path).items() if not k.startswith(IGNORED_PREFIXES)}
     out = {}
     for key, t in raw.items():
@@ -396,6 +424,16 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse:
     return out
 
 
+def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [..., H, hd] against one shared key/value latent per row, keys [n, hd] -> [..., H, hd].
+
+    sink [H]: one extra logit per head that takes probability mass but adds no value.
+    """
+    scores = (q @ keys.T) * scale  # [..., H, n]
+    sinks = sink.expand(scores.shape[:-1])[..., None]
+    return torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1] @ keys
+
+
 def candidate_blocks(scores: torch.Tensor, visible: int, block_size: int, topk_blocks: int) -> list[int]:
     """Candidate entries of one query: scores [visible] (the candidate source's own index scores).
 
@@ -449,6 +487,8 @@ class ReferenceV41:
         path = Path(path)
         self.cfg = cfg = ConfigV41.from_json(path / "config.json")
         self.w = load_weights(path)
+        # the pure sliding-window layers' RoPE (no YaRN), also the DSpark stages'
+        self.main_freqs = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, 1.0, 0, 0, 0)
         self.freqs = []  # per layer: RoPE frequencies
         for ratio in cfg.compress_ratios:
             if ratio:
@@ -461,7 +501,7 @@ class ReferenceV41:
                     cfg.yarn_beta_slow,
                 )
             else:
-                f = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, 1.0, 0, 0, 0)
+                f = self.main_freqs
             self.freqs.append(f)
         self.engram = None
         if cfg.engram_layer_ids:
@@ -501,6 +541,69 @@ class ReferenceV41:
         kept_from (they ran on the prefill's last rows only); the compressed entries and index keys of
         groups ending before entries_until are those of the exact forward (they were cached from it).
         """
+        return self._forward(token_ids, replay)[0]
+
+    @torch.no_grad()
+    def dspark(self, token_ids: list[int], last: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """One greedy DSpark draft pass: token_ids (n ≥ 1) ran through the main model, `last` is the token
+        chosen for position n.
+
+        The block [last, noise × (B - 1)] at positions n .. n+B-1 (B = dspark_block_size) runs through the
+        stages; each block row sees, without a causal mask, every block row and the stage's KV of main_x at
+        the last min(sliding_window, n) positions. Row i's logits predict position n+i+1 and carry the
+        Markov bias of its input token (row 0: last, row i > 0: draft i - 1).
+
+        Returns (drafts: B token ids for positions n+1 .. n+B, logits [B, vocab] fp32 with the bias added,
+        confidence [B] fp32 raw scores, before any sigmoid).
+        """
+        cfg, w = self.cfg, self.w
+        S, B, hc, eps = cfg.num_nextn_predict_layers, cfg.dspark_block_size, cfg.hc_mult, cfg.rms_norm_eps
+        if not S or not B or cfg.dspark_noise_token_id is None or not cfg.dspark_target_layer_ids:
+            raise ValueError("the config describes no DSpark draft model (num_nextn_predict_layers, "
+                             "dspark_block_size, dspark_noise_token_id, dspark_target_layer_ids)")
+        head = f"mtp.{S - 1}."
+        if head + "markov_head.head.weight" not in w:
+            raise ValueError(f"the checkpoint has no {head}markov_head.head.weight: no DSpark weights")
+        n = len(token_ids)
+        if n < 1 or not 0 <= last < cfg.vocab_size:
+            raise ValueError(f"a draft pass needs n ≥ 1 tokens run (got {n}) and a token id `last` (got {last})")
+
+        _, main_hidden = self._forward(token_ids, None)
+        main_x = rms_norm(main_hidden @ w["mtp.0.main_proj.weight"].T, w["mtp.0.main_norm.weight"], eps)  # [n, D]
+        start = max(0, n - cfg.sliding_window)
+        context_x, context_pos = main_x[start:], torch.arange(start, n)
+
+        block_ids = torch.tensor([last] + [cfg.dspark_noise_token_id] * (B - 1), dtype=torch.long)
+        pos = torch.arange(n, n + B)
+        streams = w["embed.weight"][block_ids][:, None, :].repeat(1, hc, 1)  # [B, hc, D]
+        pre = torch.zeros(B, hc)
+        pre[:, 0] = 1.0  # the first stage's attention reads stream 0, as the main layer 0's
+        for s in range(S):
+            p = f"mtp.{s}."
+            streams, pre = self._block(
+                p,
+                streams,
+                pre,
+                partial(self._dspark_attention, p, pos=pos, context_x=context_x, context_pos=context_pos),
+                cfg.dspark_n_routed_experts,
+                cfg.dspark_num_experts_per_tok,
+            )
+
+        h = (pre[:, :, None] * streams).sum(1)  # [B, D]
+        logits = rms_norm(h, w[head + "norm.weight"], eps) @ w["head.weight"].T  # the main model's head
+        markov_embed, markov_head = w[head + "markov_head.embed.weight"], w[head + "markov_head.head.weight"]
+        output_ids, embeds = [last], []
+        for i in range(B):  # each row's bias depends on the token drafted by the row before
+            e = markov_embed[output_ids[i]]  # [r]
+            logits[i] += markov_head @ e
+            embeds.append(e)
+            output_ids.append(int(logits[i].argmax()))  # the first maximal index on ties
+        # on the collapsed hidden state before the final norm, beside the row's Markov embedding
+        confidence = (torch.cat([h, torch.stack(embeds)], dim=-1) @ w[head + "confidence_head.proj.weight"].T)[:, 0]
+        return output_ids[1:], logits, confidence
+
+    def _forward(self, token_ids: list[int], replay: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [T, vocab], DSpark's main_hidden [T, D * len(dspark_target_layer_ids)]) of one forward."""
         cfg, w = self.cfg, self.w
         T, hc = len(token_ids), cfg.hc_mult
         ids = torch.tensor(token_ids, dtype=torch.long)
@@ -512,25 +615,48 @@ class ReferenceV41:
             exact = {"entries": {}, "index_keys": {}, "selection": {}, "candidates": None, "replay": None}
             self._run(token_ids, streams, pre, exact)
             shared["exact"] = exact
-        return self._run(token_ids, streams, pre, shared)
+        logits = self._run(token_ids, streams, pre, shared)
+        return logits, shared["main_hidden"]
 
     def _run(self, token_ids: list[int], streams: torch.Tensor, pre: torch.Tensor, shared: dict) -> torch.Tensor:
+        """The main layers: logits [T, vocab]; leaves DSpark's main_hidden in shared["main_hidden"]."""
         cfg, w = self.cfg, self.w
+        hidden = []
         for layer in range(cfg.num_hidden_layers):
-            p = f"layers.{layer}."
             if self.engram is not None and layer in self.engram:
                 streams = self._engram(layer, streams, token_ids)
-            pre_a, post_a, comb_a = self._mixes(streams, p + "hc_attn_")
-            x = (pre[:, :, None] * streams).sum(1)
-            out = self._attention(layer, rms_norm(x, w[p + "attn_norm.weight"], cfg.rms_norm_eps), shared)
-            streams = post_a[:, :, None] * out[:, None, :] + torch.einsum("tij,tid->tjd", comb_a, streams)
-            pre_f, post_f, comb_f = self._mixes(streams, p + "hc_ffn_")
-            x = (pre_a[:, :, None] * streams).sum(1)
-            out = self._moe(layer, rms_norm(x, w[p + "ffn_norm.weight"], cfg.rms_norm_eps))
-            streams = post_f[:, :, None] * out[:, None, :] + torch.einsum("tij,tid->tjd", comb_f, streams)
-            pre = pre_f
+            if layer in cfg.dspark_target_layer_ids:  # the layer's input (after its Engram), copies averaged
+                hidden.append(streams.mean(1))
+            streams, pre = self._block(
+                f"layers.{layer}.",
+                streams,
+                pre,
+                partial(self._attention, layer, shared=shared),
+                cfg.n_routed_experts,
+                cfg.num_experts_per_tok,
+            )
+        # in layer order, as DeepSeek gathers them
+        shared["main_hidden"] = torch.cat(hidden, dim=-1) if hidden else streams.new_zeros(len(token_ids), 0)
         h = (pre[:, :, None] * streams).sum(1)
         return rms_norm(h, w["norm.weight"], cfg.rms_norm_eps) @ w["head.weight"].T
+
+    def _block(self, prefix: str, streams: torch.Tensor, pre: torch.Tensor, attention, n_routed: int, topk: int):
+        """One block with delayed mHC: the attention collapses the streams with the incoming `pre`, the FFN
+        with the attention mixes' pre. streams [T, hc, D], pre [T, hc], attention: x [T, D] -> [T, D]
+        (attn_norm applied) -> (streams [T, hc, D], the FFN mixes' pre [T, hc] for the next block).
+
+        prefix: the block's tensor names, `layers.{i}.` or `mtp.{s}.`.
+        """
+        cfg, w = self.cfg, self.w
+        pre_a, post_a, comb_a = self._mixes(streams, prefix + "hc_attn_")
+        x = (pre[:, :, None] * streams).sum(1)
+        out = attention(rms_norm(x, w[prefix + "attn_norm.weight"], cfg.rms_norm_eps))
+        streams = post_a[:, :, None] * out[:, None, :] + torch.einsum("tij,tid->tjd", comb_a, streams)
+        pre_f, post_f, comb_f = self._mixes(streams, prefix + "hc_ffn_")
+        x = (pre_a[:, :, None] * streams).sum(1)
+        out = self._moe(prefix + "ffn.", rms_norm(x, w[prefix + "ffn_norm.weight"], cfg.rms_norm_eps), n_routed, topk)
+        streams = post_f[:, :, None] * out[:, None, :] + torch.einsum("tij,tid->tjd", comb_f, streams)
+        return streams, pre_f
 
     def _mixes(self, streams: torch.Tensor, prefix: str):
         cfg, w = self.cfg, self.w
@@ -581,11 +707,10 @@ class ReferenceV41:
     def _attention(self, layer: int, x: torch.Tensor, shared: dict) -> torch.Tensor:
         """x [T, D] (attn_norm applied) -> [T, D]."""
         cfg, w, p = self.cfg, self.w, f"layers.{layer}.attn."
-        T, H, hd, G = x.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+        T, hd = x.shape[0], cfg.head_dim
         ratio, freqs, pos = cfg.compress_ratios[layer], self.freqs[layer], torch.arange(x.shape[0])
-        qr = rms_norm(x @ w[p + "wq_a.weight"].T, w[p + "q_norm.weight"], cfg.rms_norm_eps)
-        q = rope((qr @ w[p + "wq_b.weight"].T).view(T, H, hd), pos, freqs)
-        kv = rope(rms_norm(x @ w[p + "wkv.weight"].T, w[p + "kv_norm.weight"], cfg.rms_norm_eps), pos, freqs)
+        qr, q = self._query(p, x, pos, freqs)
+        kv = self._window_kv(p, x, pos, freqs)
 
         if ratio:
             if layer in cfg.kv_source_layer_ids:
@@ -608,7 +733,7 @@ class ReferenceV41:
                 shared["selection"][layer] = self._select(layer, x, qr, shared)
             selection = shared["selection"][cfg.latest(cfg.index_source_layer_ids, layer)]
 
-        out = torch.empty(T, H, hd)
+        out = torch.empty(T, cfg.num_attention_heads, hd)
         sink = w[p + "attn_sink"]
         replay = shared["replay"] or {}
         floors = [replay.get("window_from", 0)]
@@ -619,14 +744,48 @@ class ReferenceV41:
             keys = kv[lo : t + 1]
             if ratio and selection[t]:
                 keys = torch.cat([keys, entries[selection[t]]])
-            scores = (q[t] @ keys.T) * hd**-0.5  # [H, n]
-            # the sink takes probability mass but adds no value
-            probs = torch.cat([scores, sink[:, None]], dim=1).softmax(dim=1)[:, :-1]
-            out[t] = probs @ keys
+            out[t] = attend_with_sink(q[t], keys, sink, hd**-0.5)
+        return self._attention_output(p, out, pos, freqs)
+
+    def _query(self, p: str, x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor):
+        """x [T, D] (attn_norm applied) at positions pos [T] -> (qr [T, q_lora_rank], q [T, H, head_dim] roped).
+
+        p: the attention's tensor names, `layers.{i}.attn.` or `mtp.{s}.attn.`.
+        """
+        cfg, w = self.cfg, self.w
+        qr = rms_norm(x @ w[p + "wq_a.weight"].T, w[p + "q_norm.weight"], cfg.rms_norm_eps)
+        q = (qr @ w[p + "wq_b.weight"].T).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
+        return qr, rope(q, pos, freqs)
+
+    def _window_kv(self, p: str, x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """x [T, D] at positions pos [T] -> the sliding-window key/value latents [T, head_dim], roped."""
+        cfg, w = self.cfg, self.w
+        return rope(rms_norm(x @ w[p + "wkv.weight"].T, w[p + "kv_norm.weight"], cfg.rms_norm_eps), pos, freqs)
+
+    def _attention_output(self, p: str, out: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Attention output [T, H, head_dim] at positions pos [T] -> [T, D]: the query's rotation undone, then
+        the grouped wo_a and wo_b."""
+        cfg, w = self.cfg, self.w
+        T, H, hd, G = out.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
         out = rope(out, pos, freqs, inverse=True)
         wo_a = w[p + "wo_a.weight"].view(G, cfg.o_lora_rank, H * hd // G)
         grouped = torch.einsum("tgd,grd->tgr", out.reshape(T, G, H * hd // G), wo_a)
         return grouped.reshape(T, -1) @ w[p + "wo_b.weight"].T
+
+    def _dspark_attention(
+        self, prefix: str, x: torch.Tensor, pos: torch.Tensor, context_x: torch.Tensor, context_pos: torch.Tensor
+    ) -> torch.Tensor:
+        """A DSpark stage's attention. x [B, D] (attn_norm applied): the block rows at positions pos [B];
+        context_x [C, D]: main_x at positions context_pos [C] (the stage's context KV comes from it) -> [B, D].
+
+        Every block row attends to all C context rows and all B block rows (no mask), with the main RoPE.
+        """
+        cfg, w, p = self.cfg, self.w, prefix + "attn."
+        freqs = self.main_freqs
+        _, q = self._query(p, x, pos, freqs)
+        keys = torch.cat([self._window_kv(p, context_x, context_pos, freqs), self._window_kv(p, x, pos, freqs)])
+        out = attend_with_sink(q, keys, w[p + "attn_sink"], cfg.head_dim**-0.5)
+        return self._attention_output(p, out, pos, freqs)
 
     def _select(self, layer: int, x: torch.Tensor, qr: torch.Tensor, shared: dict) -> list[list[int]]:
         """Indexer of an index source: per position, the selected compressed entries (sorted)."""
@@ -661,9 +820,13 @@ class ReferenceV41:
             selection.append(sorted(allowed[i] for i in chosen))
         return selection
 
-    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] (ffn_norm applied) -> routed experts + the shared expert, [T, D]."""
-        cfg, w, p = self.cfg, self.w, f"layers.{layer}.ffn."
+    def _moe(self, p: str, x: torch.Tensor, n_routed: int, k: int) -> torch.Tensor:
+        """x [T, D] (ffn_norm applied) -> k of n_routed routed experts + the shared expert, [T, D].
+
+        p: the FFN's tensor names, `layers.{i}.ffn.` or `mtp.{s}.ffn.`.
+        """
+        cfg, w = self.cfg, self.w
+        assert w[p + "gate.weight"].shape[0] == n_routed, (p, tuple(w[p + "gate.weight"].shape), n_routed)
         logits = x @ w[p + "gate.weight"].T
         if cfg.scoring_func == "sqrtsoftplus":
             scores = torch.nn.functional.softplus(logits).sqrt()
@@ -672,16 +835,15 @@ class ReferenceV41:
         else:
             scores = logits.softmax(dim=-1)
         biased = scores + w[p + "gate.bias"]
-        k = cfg.num_experts_per_tok
         y = self._expert(p + "shared_experts.", x)
-        coef = torch.zeros(x.shape[0], cfg.n_routed_experts)  # routing weight of (token, expert), 0 if not chosen
+        coef = torch.zeros(x.shape[0], n_routed)  # routing weight of (token, expert), 0 if not chosen
         for t in range(x.shape[0]):
             chosen = topk_stable(biased[t], k)
             weights = scores[t, chosen]
             if cfg.norm_topk_prob and k > 1:
                 weights = weights / (weights.sum() + 1e-20)
             coef[t, chosen] = weights * cfg.routed_scaling_factor
-        for e in range(cfg.n_routed_experts):
+        for e in range(n_routed):
             tokens = coef[:, e].nonzero().flatten()
             if tokens.numel():
                 y[tokens] += coef[tokens, e, None] * self._expert(f"{p}experts.{e}.", x[tokens])

@@ -13,7 +13,8 @@ class ExpertRank(GangMember):
     def setup(self, spec: GangSpec, members: list) -> None:
         model, config = self._join(spec, members)
         # attention weights are dropped
-        self.worker = ExpertWorker(model.moe_layers, self.gang, config, model.draft_moe_layers)
+        self.worker = ExpertWorker(model.moe_layers, self.gang, config, model.draft_moe_layers,
+                                   model.follow_moe_layers)
         self._start()
 
     def _stats(self) -> dict:

@@ -1,13 +1,17 @@
-"""Speculative decoding, on the random tiny checkpoint and on the trained `tiny-code`: tokens/s per
+"""Speculative decoding, on the random tiny checkpoints and on the trained `tiny-code`: tokens/s per
 user against drafts per step.
 
-    python -m rackserve.bench.speculative [--isl 32] [--osl 48] [--batches 1,8,64] [--models tiny,tiny-code]
+    python -m rackserve.bench.speculative [--isl 32] [--osl 48] [--batches 1,8,64]
+                                          [--models tiny,tiny-code,tiny-v41]
 
 For each model and batch size, that many prompts of `--isl` tokens generate `--osl` greedy tokens (EOS
-ignored) together, with `speculative_tokens` k = 0 … 3. Drafts come from the model's MTP layer. On
-`tiny` (random weights: the MTP layer rarely agrees with the main model) also from an oracle that
-proposes the main model's own greedy continuation (every draft accepted): the ceiling of
-speculation, and with it the cost of verifying k+1 positions and keeping the MTP layer's state.
+ignored) together, with `speculative_tokens` k = 0 … 3. Drafts come from the model's draft model: the MTP
+layer of DeepSeek-V4 (`tiny`, `tiny-code`), DSpark of DeepSeek-V4.1 (`tiny-v41`, the random tiny V4.1
+checkpoint, made in a temporary directory; its rows also give the confidence head's mean estimate of
+acceptance per position). On the random checkpoints (whose draft models rarely agree with the main
+model) also from an oracle that proposes the main model's own greedy continuation (every draft
+accepted): the ceiling of speculation, and with it the cost of verifying k+1 positions and keeping the
+draft model's state.
 `tiny-code` (trained on the standard library's sources) runs on the first `--isl` tokens of
 held-out source files (`rackserve.models.code_corpus`), so its acceptance is what the trained MTP
 layer earns. Per-user tokens/s is `--osl` over the wall time of the run (prefill included), median
@@ -18,7 +22,9 @@ be shared and noisy: read ratios.
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,16 +32,21 @@ from rackserve.bench import script
 from rackserve.engine import LLM, SamplingParams
 from rackserve.models import resolve
 from rackserve.models.code_corpus import held_out_prompts
+from rackserve.models.deepseek_v41.tiny import make_tiny as make_tiny_v41
 from rackserve.models.tokenizer import Tokenizer
 
 KS = (0, 1, 2, 3)
-DRAFTS = {"tiny": ("mtp", "oracle"), "tiny-code": ("mtp",)}
+DRAFTS = {"tiny": ("mtp", "oracle"), "tiny-code": ("mtp",), "tiny-v41": ("dspark", "oracle")}
+
+
+def _checkpoint(model: str, scratch: Path) -> Path:
+    return make_tiny_v41(scratch / model) if model == "tiny-v41" else resolve(model)
 
 
 def _prompts(model: str, batch: int, isl: int, g: torch.Generator) -> list[list[int]]:
-    """`batch` prompts of `isl` tokens: random ids for the random model, held-out code for the trained one."""
-    if model == "tiny":
-        return torch.randint(2, 512, (batch, isl), generator=g).tolist()
+    """`batch` prompts of `isl` tokens: random ids for a random model, held-out code for the trained one."""
+    if model in ("tiny", "tiny-v41"):
+        return torch.randint(2, 500, (batch, isl), generator=g).tolist()
     tok = Tokenizer(resolve(model))
     return [tok.encode(text)[:isl] for text in held_out_prompts(batch, chars=16 * isl)]
 
@@ -52,15 +63,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--osl", type=int, default=48)
     parser.add_argument("--batches", type=script.int_list, default="1,8,64")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration; the median is reported")
-    parser.add_argument("--models", default="tiny,tiny-code", help="comma-separated: tiny, tiny-code")
+    parser.add_argument("--models", default="tiny,tiny-code,tiny-v41", help="comma-separated: tiny, tiny-code, "
+                        "tiny-v41")
     args = parser.parse_args(argv)
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     rows = []
     print(f"ISL {args.isl}, OSL {args.osl}, greedy; fp32, {torch.get_num_threads()} CPU threads")
     print(f"{'model':>9} {'batch':>5} {'k':>2} {'draft':>7} {'seconds':>8} {'tok/s/user':>11} {'tok/s':>8} "
-          f"{'speedup':>8} {'accepted/step':>14}  acceptance per position")
+          f"{'speedup':>8} {'accepted/step':>14}  acceptance per position [DSpark's confidence]")
+    scratch = Path(tempfile.mkdtemp(prefix="rackserve-bench-"))
     for model in args.models.split(","):
+        path = _checkpoint(model, scratch)
         for batch in args.batches:
             prompts = _prompts(model, batch, args.isl, g)
             engine_kwargs = dict(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 5),
@@ -69,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
             base = None
             for k in KS:
                 for draft in (DRAFTS[model] if k else ("-",)):
-                    llm = LLM(model, speculative_tokens=k, **engine_kwargs)
+                    llm = LLM(path, speculative_tokens=k, **engine_kwargs)
                     if draft == "oracle":
                         continuation = {tuple(p): out for p, out in zip(prompts, expected)}
 
@@ -92,10 +106,12 @@ def main(argv: list[str] | None = None) -> dict:
                            "speedup": round(base / seconds, 2),
                            "mean_accepted": round(stats.get("spec_mean_accepted", 0), 3),
                            "acceptance": [round(r, 3) for r in rates]}
+                    if draft == "dspark":
+                        row["confidence"] = [round(c, 3) for c in stats["spec_confidence"]]
                     rows.append(row)
                     print(f"{model:>9} {batch:>5} {k:>2} {draft:>7} {seconds:>8.2f} {row['tok_s_user']:>11.1f} "
                           f"{row['tok_s']:>8.1f} {row['speedup']:>7.2f}x {row['mean_accepted']:>14.2f}  "
-                          f"{row['acceptance']}")
+                          f"{row['acceptance']}" + (f" {row['confidence']}" if "confidence" in row else ""))
     result = {"bench": "speculative", "isl": args.isl, "osl": args.osl, "rows": rows}
     return script.headline(result)
 

@@ -25,6 +25,7 @@ failure first), so the next requests are served.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -73,7 +74,7 @@ class Instance:
         except TypeError as e:
             raise ConfigError(f"engine_kwargs: {e}; use EngineConfig's fields") from None
         holders = expert_ranks or dep
-        self.slots_per_rank = -(-(config.n_routed_experts + redundant_slots) // holders)
+        self.slots_per_rank = -(-(max(config.expert_counts) + redundant_slots) // holders)
         self.dep, self.num_expert_ranks, self.world = dep, expert_ranks, dep + expert_ranks
         if placement_group is not None and placement_group.bundle_count < self.world:
             raise ConfigError(f"the placement group has {placement_group.bundle_count} bundles; this instance needs "
@@ -81,9 +82,17 @@ class Instance:
         self.shape = f"DEP{dep}" if not expert_ranks else f"AFD{dep}+{expert_ranks}"
         self.name, self.timeout = name, timeout
         self._engine_kwargs, self._kv = dict(engine_kwargs or {}), kv
-        self._layout = torch.as_tensor(rebalance(torch.ones(config.num_moe_layers, config.n_routed_experts),
-                                                 num_slots=holders * self.slots_per_rank,
-                                                 num_ranks=holders).phy2log).tolist()
+        # a balanced layout for each run of layers with as many experts; a draft model with fewer experts than
+        # a rank's slots (V4.1-Flash's 128 on fewer than 3 ranks) holds all of them on every rank, in turn
+        self._layout = []
+        num_slots = holders * self.slots_per_rank
+        for experts, run in itertools.groupby(config.expert_counts):
+            run = list(run)
+            if experts < self.slots_per_rank:
+                self._layout += [[slot % experts for slot in range(num_slots)]] * len(run)
+                continue
+            layout = rebalance(torch.ones(len(run), experts), num_slots=num_slots, num_ranks=holders)
+            self._layout += torch.as_tensor(layout.phy2log).tolist()
         self.on_restart = None  # called with the instance after its gang restarted (e.g. to reconnect KV peers)
         label = f"{self.shape} instance {self.name!r}"
         self._gang = GangSupervisor(label, dep, self.world, self._spec, timeout, actor_options, placement_group,

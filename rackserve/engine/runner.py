@@ -280,9 +280,9 @@ class Runner:
         else:
             logits, forward.streams = self.model(batch, self.cache.state, with_streams=True)
         if self.drafter is not None:
-            forward.follow = self.drafter.follow(forward.requests, forward.streams, forward.speculative)
-            if forward.follow is None and self.lockstep:
-                self.drafter.dummy_forward(self.dummy)  # a gang's passes all run the draft layer once
+            forward.follow = self.drafter.follow(batch, forward.requests, forward.streams, forward.speculative)
+            if forward.follow is None and self.lockstep and self.model.follow_moe_layers:
+                self.drafter.dummy_forward(self.dummy)  # a gang's passes all run the follow's MoE once
         s = forward.sampling
         if s is not None:
             with phase("sampling"):
@@ -334,7 +334,7 @@ class Runner:
         return torch.cat([mine, mine.new_zeros(rows - len(mine))]).to(self.device)
 
     def dummy_forward(self) -> None:
-        """One token through the model (and the draft layer, as a real pass with speculation) on the
+        """One token through the model (and the draft layer, as a real pass's follow runs it) on the
         scratch request, which never advances: keeps an idle DP rank's MoE exchanges in step with
         its busy peers."""
         scratch = self._scratch()
@@ -345,7 +345,7 @@ class Runner:
         else:
             self.graphs.forward(shape, self.model.build_batch(self.cache.state, requests, static=shape,
                                                                  scratch=scratch))
-        if self.drafter is not None:
+        if self.drafter is not None and self.model.follow_moe_layers:
             self.drafter.dummy_forward(scratch)
 
     def _scratch(self) -> CacheHandle:

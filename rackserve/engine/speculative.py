@@ -5,12 +5,14 @@ M … M+k in one forward of the main model (the runner verifies them: `sampling.
 drafts); accepting j drafts keeps positions up to M+j, and the model's rollback
 (`ServingModel.rollback`) gives the state of the rejected ones back. Then the drafter proposes the
 next k tokens (`Drafter.propose`; DeepSeek-V4's drafter is its MTP layer, whose state follows the
-main layers' and is undone with them).
+main layers' and is undone with them; DeepSeek-V4.1's is DSpark, `rackserve.models.deepseek_v41.dspark`,
+which drafts a block in one pass).
 
-In an expert-parallel gang the draft layer's MoE exchanges tokens like a main layer's, so every DP
-rank runs it the same number of times per step: once per forward pass (a follow, or
-`dummy_forward` when a pass has nothing to follow) and `draft_forwards` times after the passes
-(the most of any rank, as agreed by the host sync; dummies where a rank has nothing to draft for).
+In an expert-parallel gang the draft model's MoE exchanges tokens like a main layer's, so every DP
+rank runs it the same number of times per step: once per forward pass where the follow runs a MoE
+(`follow_moe_layers`: a follow, or `dummy_forward` when a pass has nothing to follow) and
+`draft_forwards` times after the passes (the most of any rank, as agreed by the host sync; dummies
+where a rank has nothing to draft for).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Speculator:
     @property
     def draft_forwards(self) -> int:
         """Draft forwards one `draft` call runs (none when an oracle proposes the drafts)."""
-        return 0 if self.oracle is not None else self.k
+        return 0 if self.oracle is not None else self.drafter.forwards(self.k)
 
     def count(self, num_drafts: int, num_accepted: int) -> None:
         """Record one verification: `num_accepted` of its `num_drafts` (> 0) drafts were kept."""
@@ -59,8 +61,8 @@ class Speculator:
 
     def stats(self) -> dict:
         """Acceptance rate per draft position, mean accepted drafts per verification (of those with
-        drafts), and the counts behind them."""
-        return {
+        drafts), the counts behind them, and the drafter's own figures (`Drafter.stats`)."""
+        return {**self.drafter.stats(),
             "spec_verifies": self.verifies,
             "spec_drafts": sum(self.proposed),
             "spec_acceptance_rate": [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)],

@@ -56,6 +56,10 @@ class ModelSpec(Protocol):
     def num_moe_layers(self) -> int:
         """MoE layers with routed experts, main then draft: rows of an expert layout (`phy2log`)."""
 
+    @property
+    def expert_counts(self) -> tuple[int, ...]:
+        """Routed experts of each of the `num_moe_layers` layers (a draft model's may have fewer)."""
+
     def check_speculation(self, k: int) -> None:
         """Raise `ConfigError` naming the fix if this model cannot draft `k` tokens per step."""
 
@@ -101,7 +105,11 @@ class ServingModel(Protocol):
 
     @property
     def draft_moe_layers(self) -> list[RoutedMoE]:
-        """The drafting layer's MoE layers (balanced on their own); empty without a draft model."""
+        """The MoE layers a draft forward runs, in order (balanced on their own); empty without a draft model."""
+
+    @property
+    def follow_moe_layers(self) -> list[RoutedMoE]:
+        """The MoE layers the drafter's follow of a main forward runs (V4's MTP layer; none for DSpark)."""
 
     def build_batch(self, state: PagedState, requests: Sequence[BatchRequest],
                     num_logits: Sequence[int] | None = None, static: StaticShape | None = None,
@@ -139,10 +147,13 @@ class Drafter(Protocol):
 
     graphs: Any
 
-    def follow(self, requests: Sequence[BatchRequest], streams: torch.Tensor,
+    def forwards(self, k: int) -> int:
+        """Draft forwards (each running `draft_moe_layers`) that proposing k drafts takes."""
+
+    def follow(self, batch: Any, requests: Sequence[BatchRequest], streams: torch.Tensor,
                speculative: torch.Tensor) -> Rollback | None:
-        """Run the draft layer over the tokens the main forward just ran (`requests` as its batch had
-        them); streams: the main forward's final hidden states; speculative: bool `[T]`, its drafts.
+        """Follow the main forward `batch` (over `requests`, as its batch had them) in the draft model's
+        state; streams: what the main forward returned with them; speculative: bool `[T]`, its drafts.
         Returns what undoes the drafts' rows (None when nothing ran)."""
 
     def keep(self, slots: torch.Tensor, streams: torch.Tensor, rows: torch.Tensor) -> None:
@@ -154,8 +165,11 @@ class Drafter(Protocol):
         draft layer's state is left as it was."""
 
     def dummy_forward(self, scratch: RequestState) -> None:
-        """One token through the draft layer on a scratch request that never advances (keeps a DP rank's
-        MoE exchanges in step with its peers')."""
+        """One draft forward on a scratch request that never advances (keeps a DP rank's MoE exchanges in
+        step with its peers')."""
+
+    def stats(self) -> dict:
+        """The drafter's own figures for `llm.engine.stats()` (DSpark: its confidence per position)."""
 
 
 @dataclass(frozen=True)

@@ -255,6 +255,11 @@ class ModelConfig:
         """Every layer is a MoE layer, the MTP layers' after the main ones: rows of an expert layout."""
         return self.num_hidden_layers + self.num_nextn_predict_layers
 
+    @property
+    def expert_counts(self) -> tuple[int, ...]:
+        """Routed experts of each MoE layer (`ModelSpec.expert_counts`): the same in all of them."""
+        return (self.n_routed_experts,) * self.num_moe_layers
+
     def check_speculation(self, k: int) -> None:
         """Whether this model can draft `k` tokens with its MTP layer; raise saying what to change if not."""
         if not self.num_nextn_predict_layers:

@@ -70,9 +70,16 @@ class MTPDrafter:
         hidden = _pad_rows(hidden, len(batch.input_ids) - len(hidden))
         return self.graphs.run(fn, shape, hidden, batch)
 
-    def follow(self, requests: Sequence[tuple[RequestState, Sequence[int]]], streams: torch.Tensor,
-               speculative: torch.Tensor) -> _Shifted | None:
-        """Run the MTP layer over the tokens the main model just ran (`requests` as the main batch had
+    def forwards(self, k: int) -> int:
+        """A chain of k drafts runs the MTP layer k times."""
+        return k
+
+    def stats(self) -> dict:
+        return {}
+
+    def follow(self, batch: ForwardBatch, requests: Sequence[tuple[RequestState, Sequence[int]]],
+               streams: torch.Tensor, speculative: torch.Tensor) -> _Shifted | None:
+        """Run the MTP layer over the tokens the main model just ran (`requests` as the main `batch` had
         them, before advancing), each paired with the main streams one position earlier.
 
         streams `[T, hc_mult, D]`: the main forward's final streams (padding rows after the real ones);

@@ -95,6 +95,11 @@ class DeepseekV4ForCausalLM(CausalLM):
         layers): the draft model's experts, which EPLB balances on their own."""
         return self.mtp_moe_layers[:1]
 
+    @property
+    def follow_moe_layers(self) -> list[MoE]:
+        """The drafting MTP layer's MoE: it follows every main forward."""
+        return self.draft_moe_layers
+
     def drop_mtp(self) -> None:
         """Forget the MTP layers (a checkpoint without `mtp.*` weights has none to draft with)."""
         self.mtp = nn.ModuleList()

@@ -44,11 +44,11 @@ def save_published(model, path: str | Path, quant: QuantConfig | None,
     or None); `extra`: more tensors to write as they are, by their file name (what a family keeps outside
     the model's parameters)."""
     path = Path(path)
-    n = model.config.n_routed_experts
     tensors: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         fmt = model.published_format(name, quant)
-        for disk, target in model.NAMES.published(name, n):
+        # a merged experts tensor has a row per expert (a draft model's layers may have fewer experts)
+        for disk, target in model.NAMES.published(name, len(value) if value.dim() else 0):
             part = value if target.expert is None else _expert_part(value, target.expert, target.half, name)
             if fmt is None:
                 keep = model.keeps_fp32(name) or not part.is_floating_point()  # e.g. the hash routing table

@@ -30,9 +30,10 @@ class Rollback:
 
     `state` lays its tensors out as `ModelState` does (per layer `swa`, and where the layer has them
     `ring`, `index_ring`, `entries`, `index_keys`; a layer's plan is `batch.plans[state.scheme_of(layer)]`),
-    plus, with `state.lookback`, the token ring `lookback_ids` that every layer reads."""
+    plus, with `state.lookback` (and `lookback`), the token ring `lookback_ids` that every layer reads."""
 
-    def __init__(self, state, batch: ForwardBatch, speculative: torch.Tensor, layers: Iterable[int]):
+    def __init__(self, state, batch: ForwardBatch, speculative: torch.Tensor, layers: Iterable[int],
+                 lookback: bool = True):
         self._saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._speculative = speculative
         for layer in layers:
@@ -47,7 +48,7 @@ class Rollback:
             for pages in (state.entries[layer], state.index_keys[layer]):
                 if pages is not None:
                     self._save(pages, plan.entry_dst, plan.entry_src)
-        if state.lookback:
+        if state.lookback and lookback:
             self._save(state.lookback_ids, batch.lookback_write.dst, batch.lookback_write.src)
 
     def _save(self, tensor: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -33,6 +33,7 @@ _INFERENCE_NAMES = {
     "rope_head_dim": "qk_rope_head_dim", "norm_eps": "rms_norm_eps", "window_size": "sliding_window",
     "kv_source_layers": "kv_source_layer_ids", "index_source_layers": "index_source_layer_ids",
     "candidate_source_layer": "candidate_source_layer_id", "engram_pad_id": "engram_pad_token_id",
+    "dspark_n_activated_experts": "dspark_num_experts_per_tok",
 }
 _ROPE_FIELDS = ("rope_theta", "compress_rope_theta", "rope_scaling", "rope_parameters", "original_seq_len")
 
@@ -47,6 +48,10 @@ class ModelConfig:
       entries; the others reuse the latest one's choice. candidate_source_layer_id (-1: none): the
       index source whose best `candidate_topk_blocks` blocks of `candidate_block_size` entries later
       index sources are restricted to. engram_*: the n-gram memory (`EngramLayout`).
+    dspark_*: the DSpark draft model, `num_nextn_predict_layers` stages (`rackserve.models.deepseek_v41.dspark`):
+      a block of `dspark_block_size` rows (the last token, then `dspark_noise_token_id`s) drafted at once from
+      the streams entering `dspark_target_layer_ids`, with a rank-`dspark_markov_rank` Markov bias; each stage's
+      MoE has `dspark_n_routed_experts` experts, `dspark_num_experts_per_tok` a token (0: the main layers').
     """
 
     model_type: ClassVar[str] = "deepseek_v41"
@@ -92,6 +97,12 @@ class ModelConfig:
     engram_num_embeddings: tuple[int, ...] = (384006168, 384016682)
     engram_pad_token_id: int = 2
     engram_compressed_vocab_size: int = 99092
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
     image_token_id: int | None = 129264
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
@@ -131,6 +142,7 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {DTYPES}")
         self._check_layers()
+        self._check_dspark()
         if self.engram_layer_ids:
             EngramLayout.of(self)  # checks the Engram fields against each other
 
@@ -179,7 +191,42 @@ class ModelConfig:
                                   f"KV source's entries than its ({self.kv_source(c)}); the candidate blocks are "
                                   "blocks of those entries")
 
+    def _check_dspark(self) -> None:
+        if not self.num_nextn_predict_layers:
+            return
+        for name in ("dspark_block_size", "dspark_markov_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}={value!r} must be a positive integer (num_nextn_predict_layers="
+                                  f"{self.num_nextn_predict_layers} DSpark stages)")
+        for name in ("dspark_n_routed_experts", "dspark_num_experts_per_tok"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be an integer ≥ 0 (0: the main layers')")
+        if self.draft_experts[1] > self.draft_experts[0]:
+            raise ConfigError(f"dspark_num_experts_per_tok={self.draft_experts[1]} exceeds "
+                              f"dspark_n_routed_experts={self.draft_experts[0]}")
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+            raise ConfigError(f"dspark_noise_token_id={self.dspark_noise_token_id} is not a token id "
+                              f"(vocab_size={self.vocab_size})")
+        ids = self.dspark_target_layer_ids
+        if not ids or list(ids) != sorted(set(ids)) or any(not 0 <= i < self.num_hidden_layers for i in ids):
+            raise ConfigError(f"dspark_target_layer_ids={list(ids)} must be distinct main layers in "
+                              f"[0, {self.num_hidden_layers}), ascending (the streams DSpark drafts from)")
+
     # ---- derived values ------------------------------------------------------------------
+    @property
+    def draft_experts(self) -> tuple[int, int]:
+        """(routed experts, experts a token) of every DSpark stage's MoE."""
+        return (self.dspark_n_routed_experts or self.n_routed_experts,
+                self.dspark_num_experts_per_tok or self.num_experts_per_tok)
+
+    @property
+    def expert_counts(self) -> tuple[int, ...]:
+        """Routed experts of every MoE layer, a row of an expert layout each: the main layers', then the
+        DSpark stages' (`ModelSpec.expert_counts`)."""
+        return (self.n_routed_experts,) * self.num_hidden_layers + (self.draft_experts[0],) * \
+            self.num_nextn_predict_layers
     def kv_source(self, layer: int) -> int | None:
         """The KV source whose entries `layer` reads: the latest at or below it (None: none)."""
         return max((s for s in self.kv_source_layer_ids if s <= layer), default=None)
@@ -204,8 +251,8 @@ class ModelConfig:
 
     @property
     def mlp_layer_types(self) -> tuple[str, ...]:
-        """Every layer routes by learned top-k (V4.1 has no hash-routed layers)."""
-        return (TOPK_MOE,) * self.num_hidden_layers
+        """Every layer and DSpark stage routes by learned top-k (V4.1 has no hash-routed layers)."""
+        return (TOPK_MOE,) * (self.num_hidden_layers + self.num_nextn_predict_layers)
 
     @property
     def compress_rates(self) -> tuple[int, ...]:
@@ -233,12 +280,25 @@ class ModelConfig:
 
     @property
     def num_moe_layers(self) -> int:
-        """The main layers' MoE (the draft stages are not served yet)."""
-        return self.num_hidden_layers
+        """Every layer is a MoE layer, the DSpark stages' after the main ones: rows of an expert layout."""
+        return self.num_hidden_layers + self.num_nextn_predict_layers
 
     def check_speculation(self, k: int) -> None:
-        raise ConfigError(f"speculative_tokens={k}: DeepSeek-V4.1 drafts with its DSpark stages (`mtp.*`), which "
-                          "rackserve does not run yet; set speculative_tokens=0")
+        """Whether DSpark can draft `k` tokens a step; raise saying what to change if not."""
+        if not self.num_nextn_predict_layers:
+            raise ConfigError(f"speculative_tokens={k} needs DSpark stages, but this checkpoint has "
+                              "num_nextn_predict_layers=0 (or no mtp.* weights); set speculative_tokens=0")
+        if k > self.dspark_block_size:
+            raise ConfigError(f"speculative_tokens={k}: DSpark drafts a block of dspark_block_size="
+                              f"{self.dspark_block_size} tokens at most; lower speculative_tokens")
+        # a verify step writes k+1 positions into every ring; they must land in distinct rows to roll back
+        rings = {"sliding_window": self.sliding_window}
+        if self.engram_layer_ids:
+            rings["engram_max_ngram_size (the token lookback)"] = self.engram_max_ngram_size
+        name, rows = min(rings.items(), key=lambda item: item[1])
+        if k + 1 > rows:
+            raise ConfigError(f"speculative_tokens={k} needs rings of at least {k + 1} rows, but this model's "
+                              f"{name} has {rows}; lower speculative_tokens")
 
     def to_dict(self) -> dict[str, Any]:
         """The published Hugging Face config.json (text model under `text_config`) this config round-trips."""

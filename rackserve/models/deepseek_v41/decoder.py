@@ -45,7 +45,7 @@ class Engram(nn.Module):
 
 class Block(DecoderLayer):
     """Layer `layer`: [Engram], attention, MoE, each sublayer in an mHC over the `hc_mult` streams (V4's
-    layer with V4.1's attention, Engram and the delayed mHC)."""
+    layer with V4.1's attention, Engram and the delayed mHC). The model applies `engram` before `forward`."""
 
     attention_cls = Attention
 
@@ -55,22 +55,18 @@ class Block(DecoderLayer):
         self.engram = Engram(config, layers.index(layer)) if layer in layers else None
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, state, rotary: Rotary,
-                selection: Selection | None, eligible: torch.Tensor | None, engram: torch.Tensor | None):
-        """streams `[T, N, D]`, pre `[T, N]` (the collapse weights the previous block left), engram: this
-        layer's looked-up rows `[T, C · d]` (Engram layers) -> (streams, pre for the next block, the
+                selection: Selection | None, eligible: torch.Tensor | None):
+        """streams `[T, N, D]` (with the layer's `engram` already applied: the model reads them in between),
+        pre `[T, N]` (the collapse weights the previous block left) -> (streams, pre for the next block, the
         selection and eligible entries for the layers above)."""
-        if self.engram is not None:
-            streams = self.engram(streams, engram)
         x = self.input_layernorm(HyperConnection.collapse(streams, pre))
         return self._sublayers(streams, x, batch, state, rotary, selection, eligible)
 
     def cut(self, streams: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, state, rotary: Rotary,
-            selection: Selection | None, eligible: torch.Tensor | None, engram: torch.Tensor | None):
+            selection: Selection | None, eligible: torch.Tensor | None):
         """`forward` as the layer that cuts a prefill under bounded replay (`batch.replay`): this step's
         window, entries and keys from every row, the rest of the layer on the replay's rows only -> what
         `forward` returns, for those rows."""
-        if self.engram is not None:
-            streams = self.engram(streams, engram)
         x = self.input_layernorm(HyperConnection.collapse(streams, pre))
         with phase("attention"):
             kv = self.self_attn.write_kv(x, batch, state, rotary)

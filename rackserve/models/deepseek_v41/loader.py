@@ -4,8 +4,9 @@ FP8 linears with UE8M0 32×32 block scales, FP4 routed experts, bf16/fp32 compre
 Read as V4's are (`rackserve.models.deepseek_v4.loader.load_checkpoint`: quantized weights stay as
 stored, experts sharded before reading), except:
 - not read, for text-only serving: the vision tower and its aligner (`vision.*`, `aligner.*`,
-  `image_start/end/newline`), the MoE gates' image-token bias (`bias_vl`), and the DSpark draft
-  stages (`mtp.*`: drafting is not served yet); any other tensor the model lacks fails the load;
+  `image_start/end/newline`) and the MoE gates' image-token bias (`bias_vl`); any other tensor the model
+  lacks fails the load (the DSpark stages, `mtp.*`, load like the main layers; a checkpoint without them
+  loads without them);
 - the Engram tables (`layers.N.engram.embed.weight` + `.scale`, `host_tables`) are checked against the
   layout the config implies and never copied into the process: mapped from the files, or from the node's
   one shared copy when the caller gives it (`host_tensors`, see `rackserve.models.node_tables`);
@@ -28,7 +29,7 @@ from rackserve.models.deepseek_v41.engram import SCALE_BLOCK, EngramTable, build
 from rackserve.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
 # file names rackserve does not read (see the module docstring)
-NOT_SERVED = re.compile(r"^(mtp\.|vision\.|aligner\.|image_(start|end|newline)$)|\.gate\.bias_vl$")
+NOT_SERVED = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)|\.gate\.bias_vl$")
 ENGRAM_TABLE = re.compile(r"^layers\.(\d+)\.engram\.embed\.(weight|scale)$")
 
 

@@ -7,7 +7,8 @@ source, at DeepSeek's formats, `state_dtype` "fp4": 3 × (288 + 68) / 2 + (288 +
 
 Slots (fixed per request):
   lookback_ids [S, n, 1] int32       token ids of the last n positions (Engram's n-grams)
-  swa[l]       [S, W, hd]            every layer's window ring, by position % W
+  swa[l]       [S, W, hd]            every layer's window ring, by position % W; with `draft_layers`, one
+                                     more per DSpark stage after the main layers' (its context rows)
   ring[l]      [S, R, 2·hd] fp32     ratio-2 sources: `[kv | gate]` of the group being filled (fp32, as
                                      DeepSeek pools them; R ≥ 2 and ≥ a verify step's k+1 positions)
 Pages (one per `block_size` tokens):
@@ -34,16 +35,16 @@ class ModelState(LayeredState):
 
     def __init__(self, config, num_slots: int, num_pages: int, block_size: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", draft_layers: int = 0, state_dtype: str = "auto"):
-        if draft_layers:
-            raise ValueError("DeepSeek-V4.1 drafts with its DSpark stages, which rackserve does not run yet: "
-                             "build its state without draft layers")
+        if draft_layers not in (0, 1):
+            raise ValueError(f"draft_layers={draft_layers}: 1 holds every DSpark stage's context, 0 none")
         if block_size <= 0 or block_size % config.min_block_size:
             raise ValueError(f"block_size={block_size} must be a positive multiple of {config.min_block_size} "
                              f"({config.block_rule})")
         self._setup(config, num_slots, num_pages, block_size, dtype, device, state_dtype)
         n, hd, ihd, zeros = config.num_hidden_layers, config.head_dim, config.index_head_dim, self._zeros
-        self.ratios = config.compress_ratios
-        self.swa = [zeros(num_slots, config.sliding_window, hd) for _ in range(n)]
+        stages = config.num_nextn_predict_layers if draft_layers else 0
+        self.ratios = config.compress_ratios + (0,) * stages  # the stages' context: a window each
+        self.swa = [zeros(num_slots, config.sliding_window, hd) for _ in range(n + stages)]
         self.ring: list[torch.Tensor | None] = [None] * n
         self.index_ring: list[torch.Tensor | None] = [None] * n
         self.entries: list[torch.Tensor | None] = [None] * n

@@ -2,8 +2,9 @@
 
 `make_tiny(dir)` writes config.json (the text model under `text_config`), two safetensors shards with an
 index (DeepSeek's names, FP8 linears with UE8M0 32×32 block scales, FP4 routed experts, bf16 / fp32
-compressors, FP8 Engram tables with a UE8M0 scale per 32 values, the vision tower's, the gates' image
-bias and one DSpark stage's tensors, which a text-only server skips) and a byte-level BPE tokenizer whose
+compressors, FP8 Engram tables with a UE8M0 scale per 32 values, three DSpark stages (`mtp.*`, fewer experts
+than the main layers', as V4.1-Flash's) and the vision tower's and the gates' image bias, which a text-only
+server skips) and a byte-level BPE tokenizer whose
 Engram token map sets `engram_compressed_vocab_size`. Every V4.1 feature is present: compress ratios
 0, 1 and 2, three KV sources (two ratio-2, one ratio-1), a candidate source with a re-indexing layer
 after it, layers that reuse a source's KV and choice, and Engram on two layers (a sliding-window one
@@ -31,11 +32,11 @@ from rackserve.models.tokenizer import save_tokenizer, train_byte_bpe
 
 TINY_TEXT_CONFIG = {
     "model_type": "deepseek_v41_text", "vocab_size": 512, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 8,
-    "num_nextn_predict_layers": 1, "num_attention_heads": 4, "head_dim": 32, "qk_rope_head_dim": 8,
+    "num_nextn_predict_layers": 3, "num_attention_heads": 4, "head_dim": 32, "qk_rope_head_dim": 8,
     "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "sliding_window": 8, "n_routed_experts": 8,
     "n_shared_experts": 1, "num_experts_per_tok": 2, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
     "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6, "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1, 0], "kv_source_layer_ids": [2, 4, 5],
+    "hc_eps": 1e-6, "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1, 0, 0, 0], "kv_source_layer_ids": [2, 4, 5],
     "index_source_layer_ids": [2, 4, 5, 7], "candidate_source_layer_id": 5, "candidate_topk_blocks": 4,
     "candidate_block_size": 2, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 6,
     "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
@@ -43,7 +44,8 @@ TINY_TEXT_CONFIG = {
                      "beta_slow": 1},
     "max_position_embeddings": 4096, "engram_layer_ids": [1, 4], "engram_max_ngram_size": 4, "engram_n_heads": 2,
     "engram_head_dim": 32, "engram_vocab_size": 50, "engram_pad_token_id": 2,
-    "dspark_block_size": 5, "dspark_target_layer_ids": [5, 6, 7], "dspark_markov_rank": 16,
+    "dspark_block_size": 5, "dspark_noise_token_id": 508, "dspark_target_layer_ids": [5, 6, 7],
+    "dspark_markov_rank": 16, "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 2,
 }
 def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None) -> Path:
     """Write a tiny random V4.1 checkpoint into `path` (`config` overrides `text_config` fields); returns `path`."""
@@ -78,7 +80,7 @@ def make_tiny(path: str | Path, seed: int = 0, config: dict | None = None) -> Pa
 def _unserved(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """The tensors a published checkpoint has beyond what rackserve serves, by their file names: the Engram
     tables (memory-mapped at load, not parameters), the gates' image bias, the vision tower and its
-    aligner, the image delimiters, and one DSpark stage (`mtp.0.*`)."""
+    aligner and the image delimiters."""
     g = torch.Generator().manual_seed(seed + 0xE6)
     d, layout = cfg.hidden_size, cfg.engram
     out: dict[str, torch.Tensor] = {}
@@ -89,10 +91,10 @@ def _unserved(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     for layer in range(cfg.num_hidden_layers):
         out[f"layers.{layer}.ffn.gate.bias_vl"] = torch.randn(cfg.n_routed_experts, generator=g) * 0.1
     bf16 = {"vision.patch_embed.weight": (8, 3 * 14 * 14), "vision.blocks.0.attn.wqkv.weight": (24, 8),
-            "aligner.w1.weight": (d, 8), "image_start": (d,), "image_end": (d,), "image_newline": (d,),
-            "mtp.0.main_proj.weight": (d, 3 * d), "mtp.0.attn.wkv.weight": (cfg.head_dim, d),
-            "mtp.0.markov_head.embed.weight": (cfg.vocab_size, 16), "mtp.0.confidence_head.proj.weight": (1, d + 16)}
+            "aligner.w1.weight": (d, 8), "image_start": (d,), "image_end": (d,), "image_newline": (d,)}
     for name, shape in bf16.items():
         out[name] = (torch.randn(shape, generator=g) * 0.1).to(torch.bfloat16)
-    out["mtp.0.main_norm.weight"] = torch.ones(d)
+    for layer in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        out[f"mtp.{layer - cfg.num_hidden_layers}.ffn.gate.bias_vl"] = torch.randn(cfg.draft_experts[0],
+                                                                                   generator=g) * 0.1
     return out

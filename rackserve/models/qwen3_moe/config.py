@@ -95,6 +95,11 @@ class ModelConfig:
         """The sparse layers: rows of an expert layout (`phy2log`)."""
         return sum(map(self.is_sparse, range(self.num_hidden_layers)))
 
+    @property
+    def expert_counts(self) -> tuple[int, ...]:
+        """Routed experts of each MoE layer (`ModelSpec.expert_counts`): the same in all of them."""
+        return (self.n_routed_experts,) * self.num_moe_layers
+
     replay_window: ClassVar[int] = 0  # no bounded replay (`ModelSpec.replay_window`)
     host_table_bytes: ClassVar[int] = 0  # no tables in host memory (`ModelSpec.host_table_bytes`)
 

@@ -73,6 +73,10 @@ class Qwen3MoeForCausalLM(CausalLM):
     def draft_moe_layers(self) -> list[SparseMoeBlock]:
         return []
 
+    @property
+    def follow_moe_layers(self) -> list[SparseMoeBlock]:
+        return []
+
     def shard_experts(self, ep, phy2log: torch.Tensor) -> None:
         """Expert parallel: keep only this rank's expert slots of every sparse layer (see `RoutedMoE.shard`);
         phy2log `[num_moe_layers, num_slots]`, a row per sparse layer."""
