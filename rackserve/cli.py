@@ -186,7 +186,9 @@ def _sim(args: argparse.Namespace) -> int:
     scenario = Scenario(workload, group.size, args.preset, args.precision, host_path=args.host_path,
                         overlap_moe=args.overlap_moe, overlap_fetch=args.overlap_fetch,
                         redundant_slots=args.redundant_slots, eplb_interval=args.eplb_interval, zipf=args.zipf,
-                        steps=args.steps, model=args.model, bounded_replay=args.bounded_replay)
+                        steps=args.steps, model=args.model, bounded_replay=args.bounded_replay,
+                        speculative_tokens=args.speculative_tokens,
+                        **({} if args.acceptance is None else {"acceptance": args.acceptance}))
     report(scenario, simulate(scenario))
     return 0
 
@@ -284,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the model's shape: DeepSeek-V4.1-Flash as published (default), or V4-Flash's")
     si.add_argument("--bounded-replay", action=argparse.BooleanOptionalAction, default=None,
                     help="V4.1's bounded decoder replay in prefill (default: the model's, on for V4.1)")
+    si.add_argument("--speculative-tokens", type=int, default=0, choices=range(4),
+                    help="decode: DSpark drafts verified per step (V4.1; default 0)")
+    si.add_argument("--acceptance", type=float,
+                    help="with drafts: the chance a draft is accepted when the ones before it were (default: the "
+                         "simulator's assumption, 0.7)")
     si.add_argument("--host-path", default="rackserve", choices=("rackserve", "unoptimised"),
                     help="host sync: one recursive-doubling all-reduce per step, or two Gloo-style ring ones")
     si.add_argument("--overlap-moe", action="store_true", help="overlap dispatch/combine with expert compute")

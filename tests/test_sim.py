@@ -141,6 +141,19 @@ def test_decode_admits_pushed_state_and_counts_outputs():
     assert r.mean("moe_s") > 0 and r.mean("sync_s") > 0
 
 
+def test_dspark_drafts_verify_more_rows_run_a_draft_pass_and_yield_accepted_tokens():
+    w = Workload("decode", 2048, osl=64, range_ratio=0.5, concurrency=4 * 8)
+    runs = {(k, a): simulate(Scenario(w, dep=4, steps=6, warmup=0, eplb_interval=0, speculative_tokens=k, acceptance=a))
+            for k, a in ((0, 0.7), (3, 0.7), (3, 0.0))}
+    plain, drafted, rejected = runs[0, 0.7], runs[3, 0.7], runs[3, 0.0]
+    assert plain.mean("draft_s") == 0 < drafted.mean("draft_s")
+    assert drafted.mean("moe_s") > plain.mean("moe_s")  # 4 rows a request through every MoE layer
+    assert drafted.output_tokens == pytest.approx(6 * 32 * (1 + 0.7 + 0.7**2 + 0.7**3))
+    assert rejected.output_tokens == plain.output_tokens and rejected.mean("total_s") > plain.mean("total_s")
+    with pytest.raises(ValueError, match="DSpark drafts only"):
+        simulate(Scenario(w, dep=4, steps=1, model="v4-flash", speculative_tokens=1))
+
+
 def test_eplb_raises_balancedness():
     rng = np.random.default_rng(0)
     load = ExpertLoad(4, 64, 6, 1.0, rng)
@@ -172,3 +185,14 @@ def test_cli_sim_run(capsys):
                  "--steps", "3", "--preset", "h200"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last)["role"] == "decode"
+
+
+def test_cli_sim_run_with_dspark_drafts(capsys):
+    from rackserve.cli import main
+
+    args = ["sim", "run", "--decode", "DEP4", "--batch", "8", "--isl", "1024", "--osl", "64", "--steps", "3"]
+    assert main(args) == 0 and main(args + ["--speculative-tokens", "3", "--acceptance", "1.0"]) == 0
+    plain, drafted = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines() if line[0] == "{")
+    # every draft accepted: 4 tokens a step, at a longer step
+    assert drafted["step_ms"] > plain["step_ms"] and drafted["tok_s_per_user"] == pytest.approx(
+        4 / drafted["step_ms"] * 1e3, rel=0.01)

@@ -46,7 +46,7 @@ from rackserve.models import load_model
 from rackserve.models.deepseek_v41.tiny import make_tiny
 
 FLASH_LAYOUT = {
-    "num_hidden_layers": 40, "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0],
+    "num_hidden_layers": 40, "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0] * 3,
     "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
     "candidate_source_layer_id": 20, "candidate_topk_blocks": 2048, "candidate_block_size": 8, "index_topk": 512,
     "engram_layer_ids": [1, 14], "sliding_window": 128, "max_position_embeddings": 65536,

@@ -10,7 +10,10 @@ V4's CSA, HCA and sliding layers; V4.1's by compress ratio and role (KV source: 
 source: an indexer scoring every visible entry, or after the candidate source only its candidate
 blocks; Engram: its projection, and the table rows it reads over the host link). Under bounded replay
 (V4.1) a prefill runs the layers from the last KV source on each request's last `window` rows only, its
-MoE layers too.
+MoE layers too. With DSpark drafts (V4.1, `drafts` = k) a decode step verifies 1 + k rows per request, then
+runs one draft pass: each request's block of `dspark_block_size` rows through the draft stages (window
+attention over the context plus the block, a MoE of the draft experts each), the head and the Markov head
+on every block row, and the follow's context projections on every verified row.
 
 DEP: each DP rank runs attention and the dense parts on its own tokens; at every MoE layer the
 tokens are dispatched to the ranks holding their experts and combined back, so every layer is a
@@ -157,16 +160,33 @@ class LayerKind:
 
 
 @dataclass(frozen=True)
+class Draft:
+    """DeepSeek-V4.1's DSpark draft model: `stages` layers of `kind` (its router over `experts` experts,
+    `per_token` each) over blocks of `block` rows; per block row the Markov head (`markov`, beside the
+    shared lm_head); per verified row the context projections (`context`: main_proj and each stage's K=V)."""
+
+    kind: LayerKind
+    stages: int
+    block: int
+    experts: int
+    per_token: int
+    markov: Gemm
+    context: tuple[Gemm, ...]
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """Per-layer matmuls and attention sizes of a DeepSeek-V4.1 or V4 config: `layers[kind]` layers of each
     `LayerKind`, in order of first appearance (`moe_replayed[l]`: MoE layer l is a replayed layer's);
-    expert: one routed expert (gate/up + down) as a Gemm."""
+    expert: one routed expert (gate/up + down) as a Gemm; draft: V4.1's DSpark stages (None for V4, whose
+    MTP layer is not modelled)."""
 
     config: object
     layers: dict[LayerKind, int]
     expert: Gemm
     lm_head: Gemm
     moe_replayed: tuple[bool, ...]
+    draft: Draft | None = None
 
     @classmethod
     def from_config(cls, c) -> ModelShape:
@@ -189,8 +209,16 @@ class ModelShape:
         layers: dict[LayerKind, int] = {}
         for kind in kinds:
             layers[kind] = layers.get(kind, 0) + 1
+        draft = None
+        if c.model_type == "deepseek_v41" and c.num_nextn_predict_layers:
+            experts, per_token = c.draft_experts
+            stage = common[:5] + (Gemm(experts * d, d, experts),) + common[6:]  # its own router
+            context = (Gemm(len(c.dspark_target_layer_ids) * d * d, len(c.dspark_target_layer_ids) * d, d),
+                       *(Gemm(d * hd, d, hd),) * c.num_nextn_predict_layers)
+            draft = Draft(LayerKind(stage), c.num_nextn_predict_layers, c.dspark_block_size, experts, per_token,
+                          Gemm(c.vocab_size * c.dspark_markov_rank, c.dspark_markov_rank, c.vocab_size), context)
         return cls(c, layers, Gemm(3 * d * inter, d, d), Gemm(c.vocab_size * d, d, c.vocab_size),
-                   tuple(kind.replayed for kind in kinds))
+                   tuple(kind.replayed for kind in kinds), draft)
 
     @staticmethod
     def _v4_kind(c, kind: str, common: tuple[Gemm, ...], queries: tuple[Gemm, ...]) -> LayerKind:
@@ -251,7 +279,8 @@ class StepCost:
     included), + `fetch_s` (state loaded from host memory) unless that overlaps; `total_s` adds
     host work (unless it overlaps) and the host sync. `rank_busy_s[r]` is what rank r would need
     alone (its own attention and dense work, the MoE as it is), so 1 - mean(busy) / gpu_s is the
-    share of GPU time ranks spend waiting for each other."""
+    share of GPU time ranks spend waiting for each other. `draft_s`: the draft pass and the follow's
+    context projections (in `gpu_s`; 0 without drafts)."""
 
     attention_s: float
     dense_s: float
@@ -263,6 +292,7 @@ class StepCost:
     sync_s: float
     total_s: float
     rank_busy_s: tuple[float, ...]
+    draft_s: float = 0.0
 
 
 class CostModel:
@@ -272,12 +302,17 @@ class CostModel:
     pairs each rank's experts serve in a forward pass, `touched [L, P]` its slots that got any.
     overlap_moe: dispatch/combine overlapped with expert compute (two micro-batches);
     overlap_fetch: state loaded from host memory (a KV-store prefix) while the GPU computes;
-    bounded_replay: the replayed layers of a prefill run on each chunk's last `window` rows (V4.1).
+    bounded_replay: the replayed layers of a prefill run on each chunk's last `window` rows (V4.1);
+    drafts: DSpark drafts verified per decode step and request (V4.1; the caller's chunks carry the 1 + k rows).
     """
 
     def __init__(self, shape: ModelShape, hw: Hardware, world: int, precision: Precision = Precision(),
                  eff: Efficiency = Efficiency(), host: Host = HOST, host_path: HostPath = RACKSERVE,
-                 overlap_moe: bool = False, overlap_fetch: bool = False, bounded_replay: bool = False):
+                 overlap_moe: bool = False, overlap_fetch: bool = False, bounded_replay: bool = False,
+                 drafts: int = 0):
+        if drafts and shape.draft is None:
+            raise ValueError(f"drafts={drafts}: the simulator models DeepSeek-V4.1's DSpark drafts only")
+        self.drafts = drafts
         self.shape, self.hw, self.world, self.p = shape, hw, world, precision
         self.eff, self.host, self.host_path = eff, host, host_path
         self.overlap_moe, self.overlap_fetch = overlap_moe, overlap_fetch
@@ -344,10 +379,12 @@ class CostModel:
         far_s = nbytes * far / (self.eff.nvlink * hw.network_bytes_per_s) + (hw.network_latency_s if far else 0.0)
         return np.maximum(near_s, far_s)
 
-    def moe_s(self, tokens: np.ndarray, pairs: np.ndarray, touched: np.ndarray) -> tuple[np.ndarray, float]:
+    def moe_s(self, tokens: np.ndarray, pairs: np.ndarray, touched: np.ndarray,
+              per_token: int | None = None) -> tuple[np.ndarray, float]:
         """MoE layers of one pass: (per-rank seconds `[P]` summed over layers, gang seconds).
 
-        tokens `[P]` each rank's tokens (or `[L, P]`, per layer); pairs, touched `[L, P]` (see the class doc).
+        tokens `[P]` each rank's tokens (or `[L, P]`, per layer); pairs, touched `[L, P]` (see the class doc);
+        per_token: experts a token (default the main layers').
         A rank sends
         each of its tokens' k expert rows to the rank that holds it (a fraction (P-1)/P is remote)
         and receives the rows of its experts; combine sends them back (wider). Without overlap a
@@ -357,7 +394,7 @@ class CostModel:
         c, p, x = self.shape.config, self.world, self.shape.expert
         remote = (p - 1) / p
         hidden = c.hidden_size
-        sent = np.atleast_2d(tokens) * c.num_experts_per_tok * remote  # rows each rank sends, [1 or L, P]
+        sent = np.atleast_2d(tokens) * (per_token or c.num_experts_per_tok) * remote  # rows sent, [1 or L, P]
         got = pairs * remote
         rows = np.maximum(sent, got)
         exchange = np.zeros_like(rows)
@@ -377,6 +414,26 @@ class CostModel:
             return chunks
         return [Chunk(ch.start + ch.num_tokens - min(ch.num_tokens, self.replay), min(ch.num_tokens, self.replay),
                       ch.samples) for ch in chunks]
+
+    def draft_s(self, requests: np.ndarray, verified: np.ndarray) -> tuple[np.ndarray, float]:
+        """The DSpark draft pass for `requests` `[P]` drafting requests per rank, plus the follow's context
+        projections of `verified` `[P]` rows: (per-rank seconds `[P]`, gang seconds). The draft experts'
+        load is taken as balanced (EPLB re-places them on their own)."""
+        d, c, p = self.shape.draft, self.shape.config, self.world
+        rows = requests * d.block
+        w, h, hd = c.sliding_window, c.num_attention_heads, c.head_dim
+        dense = np.array([self.dense_s(d.kind, r) + self.gemm_s(self.shape.lm_head, r, self.p.dense)
+                          + self.gemm_s(d.markov, r, "bf16") + sum(self.gemm_s(g, v, self.p.dense) for g in d.context)
+                          if r else 0.0 for r, v in zip(rows, verified)])
+        flops = 4.0 * h * hd * rows * (w + d.block)  # every block row over the context and the block
+        attention = np.maximum(flops / (self.eff.attention * self.hw.flop_rate(self.p.attention)),
+                               requests * w * self._window_row / self._bw)
+        pairs = np.full((d.stages, p), rows.sum() * d.per_token / p)
+        touched = np.minimum(pairs, math.ceil(d.experts / p))
+        rank_moe, gang_moe = self.moe_s(np.maximum(rows, 1.0), pairs, touched, d.per_token)
+        overhead = d.stages * self.eff.layer_overhead_s
+        busy = d.stages * attention + dense + rank_moe + overhead
+        return busy, float(d.stages * attention.max() + dense.max() + gang_moe + overhead)
 
     def host_sync_s(self) -> float:
         """The per-step host all-reduces plus the wait for the slowest rank's host work."""
@@ -426,11 +483,19 @@ class CostModel:
             busy += head
         overhead = len(passes) * self.shape.config.num_hidden_layers * self.eff.layer_overhead_s
         busy += overhead
+        draft = 0.0
+        if self.drafts:
+            drafting = np.array([sum(ch.samples for chunks in ranks for ch in chunks) for ranks in zip(*passes)],
+                                np.float64)
+            verified = np.array([sum(ch.num_tokens for chunks in ranks for ch in chunks if ch.samples)
+                                 for ranks in zip(*passes)], np.float64)
+            rank_draft, draft = self.draft_s(drafting, verified)
+            busy += rank_draft
         host = self.host.step_s + self.host.per_request_s * max(running, default=0)
         sync = self.host_sync_s()
         fetch = max(loaded_bytes or [0]) / self.hw.host_link_bytes_per_s
-        gpu = attention + dense + moe + overhead
+        gpu = attention + dense + moe + overhead + draft
         if not self.overlap_fetch:
             gpu += fetch
         total = (max(gpu, host) if self.host_path.overlap else gpu + host) + sync
-        return StepCost(attention, dense, moe, overhead, fetch, gpu, host, sync, total, tuple(busy.tolist()))
+        return StepCost(attention, dense, moe, overhead, fetch, gpu, host, sync, total, tuple(busy.tolist()), draft)

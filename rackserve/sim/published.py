@@ -22,7 +22,7 @@ import numpy as np
 from rackserve.models.deepseek_v41 import FLASH_CONFIG
 from rackserve.sim.experts import ExpertLoad, ExpertPlacement, eplb_trace
 from rackserve.sim.hardware import assumption_rows, preset
-from rackserve.sim.scenario import MODELS, ZIPF, Scenario, simulate
+from rackserve.sim.scenario import ACCEPTANCE, MODELS, ZIPF, Scenario, simulate
 from rackserve.sim.simulator import Workload
 
 PREFILL_ISL, PREFILL_RATIO, PREFILL_BATCH = 8192, 0.5, 2
@@ -30,13 +30,16 @@ DECODE_ISL, DECODE_OSL, DECODE_RATIO, DECODE_BATCH = 8192, 1024, 0.8, 128
 EPLB_RANKS, EPLB_INTERVAL = 32, 3000
 PREFIX, PREFIX_NEW = 131072, 65536
 REPLAY_NEW = 32768
+DECODE_DRAFTS = 3
 BEFORE, AFTER = "v4-flash", "v4.1-flash"  # the shape modelled before, and the one the figures are of
 
 _PREFILL = (f"ISL uniform in [{PREFILL_RATIO:g}, 1] x {PREFILL_ISL}, {PREFILL_BATCH} requests in flight per rank, "
             "round-robin over ranks, 16,384-token steps, BF16 indexer, no overlap, bounded replay as the model "
             "serves (V4.1: on)")
 _DECODE = (f"{DECODE_BATCH} requests per rank, context {DECODE_RATIO:g}-1 x {DECODE_ISL} + up to {DECODE_OSL} out, "
-           "no MTP pass, EPLB on (288 slots), unoptimised host path (ring, 2 syncs/step)")
+           f"V4.1: {DECODE_DRAFTS} DSpark drafts a step (as the published decode curves), each accepted with chance "
+           f"{ACCEPTANCE:g} after the ones before it; V4: no MTP pass; EPLB on (288 slots), unoptimised host path "
+           "(ring, 2 syncs/step)")
 _EPLB = (f"DEP{EPLB_RANKS}, 288 slots, {DECODE_BATCH} tokens/rank/step; Zipf({ZIPF:g}) expert popularity per "
          "layer, fixed; after = next window under the new layout")
 _PREFIX = ("DEP2, 128K prefix loaded from the KV store + 64K new tokens, 2 per rank; optimisations assumed: "
@@ -126,16 +129,18 @@ def predict(hardware: str = "gb300", model: str = AFTER) -> dict[str, float]:
     out["prefill_ratio"] = out["prefill_dep4"] / out["prefill_dep2"]
 
     decode = Workload("decode", DECODE_ISL, DECODE_OSL, DECODE_RATIO)
+    drafts = DECODE_DRAFTS if model == AFTER else 0  # V4's MTP layer is not modelled
     step = {}
     for dep in (4, 16, 32):
         r = simulate(Scenario(_batch(decode, dep, DECODE_BATCH), dep, hardware, model=model, host_path="unoptimised",
-                              steps=16))
+                              steps=16, speculative_tokens=drafts))
         step[dep] = r
         out[f"decode_moe_dep{dep}"] = r.mean("moe_s")
     out["decode_rest_dep32"] = step[32].mean("total_s") - step[32].mean("moe_s")
     out["host_step_dep16"], out["host_step_dep32"] = step[16].mean("total_s"), step[32].mean("total_s")
     out["host_gpu_gain"] = step[16].mean("gpu_s") - step[32].mean("gpu_s")
-    ours = simulate(Scenario(_batch(decode, 32, DECODE_BATCH), 32, hardware, model=model, steps=16))
+    ours = simulate(Scenario(_batch(decode, 32, DECODE_BATCH), 32, hardware, model=model, steps=16,
+                             speculative_tokens=drafts))
     out["rackserve_step_dep32"] = ours.mean("total_s")
 
     for name, (layers, experts, topk) in _moe_layers(model).items():

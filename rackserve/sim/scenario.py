@@ -37,6 +37,8 @@ from rackserve.sim.simulator import SimResult, Simulator, Workload
 
 HOST_PATHS = {"rackserve": RACKSERVE, "unoptimised": UNOPTIMISED}
 ZIPF = 1.0  # assumed expert-popularity skew (the EPLB benchmark's default)
+# assumed chance that a DSpark draft is accepted when the drafts before it were (none is published)
+ACCEPTANCE = 0.7
 
 
 def v4_flash() -> ModelConfig:
@@ -59,7 +61,8 @@ class Scenario:
     batch: requests in flight per rank (closed loop). redundant_slots: extra expert slots over the
     instance (EPLB replicas). precision: a key of `cost.PRECISIONS`; indexer: override its indexer
     dtype. host_path: "rackserve" or "unoptimised". model: a key of `MODELS`. bounded_replay: None for the
-    model's default.
+    model's default. speculative_tokens: DSpark drafts per decode step (V4.1), each accepted with chance
+    `acceptance` when the ones before it were.
     """
 
     workload: Workload
@@ -80,6 +83,8 @@ class Scenario:
     warmup: int = 4
     model: str = "v4.1-flash"
     bounded_replay: bool | None = None
+    speculative_tokens: int = 0
+    acceptance: float = ACCEPTANCE
 
     @property
     def prefill(self) -> bool:
@@ -109,7 +114,8 @@ def simulate(s: Scenario) -> SimResult:
     shape = ModelShape.from_config(model)
     cost = CostModel(shape, hw, s.dep, precision, Efficiency(), host_path=HOST_PATHS[s.host_path],
                      overlap_moe=s.overlap_moe, overlap_fetch=s.overlap_fetch,
-                     bounded_replay=s.engine().resolve(model).bounded_replay)
+                     bounded_replay=s.engine().resolve(model).bounded_replay,
+                     drafts=0 if s.prefill else s.speculative_tokens)
     rng = np.random.default_rng(s.workload.seed)
     layers, experts = model.num_hidden_layers, model.n_routed_experts
     slots = -(-(experts + s.redundant_slots) // s.dep) * s.dep
@@ -118,7 +124,7 @@ def simulate(s: Scenario) -> SimResult:
     engine = s.engine()
     if s.eplb_interval:  # steady state: the layout EPLB planned on one interval of this load
         eplb.replace(load.draw(s.eplb_interval * engine.max_num_seqs * s.dep))
-    sim = Simulator(cost, engine, state_budget(shape, hw, s.dep, precision, engine), load, eplb)
+    sim = Simulator(cost, engine, state_budget(shape, hw, s.dep, precision, engine), load, eplb, s.acceptance)
     return sim.run(s.workload, s.steps, s.warmup)
 
 
@@ -143,7 +149,8 @@ def report(s: Scenario, r: SimResult, echo=print) -> dict:
     echo(f"{role} DEP{s.dep} on {s.hardware} ({s.precision}, host path {s.host_path}): {w.concurrency // s.dep} "
          f"requests per rank, ISL {w.isl} (x{w.range_ratio:g}-1)" + (f" + {w.prefix} cached" if w.prefix else "")
          + (f", OSL {w.osl}" if not s.prefill else "") + f"; {len(r.steps)} steps")
-    parts = ("attention_s", "dense_s", "moe_s", "overhead_s", "fetch_s", "gpu_s", "host_s", "sync_s", "total_s")
+    parts = ("attention_s", "dense_s", "moe_s", "overhead_s", "draft_s", "fetch_s", "gpu_s", "host_s", "sync_s",
+             "total_s")
     echo("mean per step (ms): " + "  ".join(f"{p[:-2]} {r.mean(p) * 1e3:.2f}" for p in parts))
     summary = {"bench": "sim_run", "role": role, "dep": s.dep, "preset": s.hardware,
                "step_ms": round(r.mean("total_s") * 1e3, 3), "moe_ms": round(r.mean("moe_s") * 1e3, 3),
@@ -155,7 +162,8 @@ def report(s: Scenario, r: SimResult, echo=print) -> dict:
              f"{r.out_of_sync:.1%} of GPU time")
     else:
         summary["output_tok_s_per_gpu"] = round(r.output_tokens_per_gpu_s)
-        summary["tok_s_per_user"] = round(1 / r.mean("total_s"), 1)
+        # a user gets the tokens a verification yields each step (1 without drafts)
+        summary["tok_s_per_user"] = round(r.output_tokens / max(1, r.decoded) / r.mean("total_s"), 1)
         echo(f"output tokens/s per GPU: {summary['output_tok_s_per_gpu']:,}; per user: "
              f"{summary['tok_s_per_user']} tok/s; ranks out of sync: {r.out_of_sync:.1%} of GPU time")
     echo(json.dumps(summary))

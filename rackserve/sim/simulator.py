@@ -13,6 +13,11 @@ accounting of the full model, no memory), and plans its forward passes with the 
 3. the cache advances (`StateCache.advance`) as in the runner, sampled tokens come back (synthetic),
    `Scheduler.update` finishes requests, and new ones arrive (closed loop).
 
+With DSpark drafts (`cost.drafts` = k) a decode chunk verifies 1 + k rows, a draft pass follows, and each
+verification yields 1 + a + a² + … + a^k tokens on average for an `acceptance` a of each draft given the
+ones before it (an assumption: no trained acceptance is published); a request still advances one position
+a step and `max_tokens` counts steps, so only the output counts the accepted drafts.
+
 Request lengths are drawn per request (ragged), and requests go to ranks round-robin or to the
 least-loaded rank, so per-rank token counts differ per step: the imbalance is the scheduler's, not
 a factor.
@@ -125,7 +130,8 @@ class SimResult:
     time_s: float = 0.0
     computed_tokens: int = 0  # prompt tokens run through the model
     cached_tokens: int = 0  # prompt tokens taken from a cached prefix
-    output_tokens: int = 0
+    output_tokens: float = 0.0  # with drafts, the accepted ones counted on average
+    decoded: int = 0  # verifications (a request's decode step each)
     finished: int = 0
     preemptions: int = 0
     balancedness: list[float] = field(default_factory=list)
@@ -161,12 +167,15 @@ class Simulator:
 
     engine: the EngineConfig of every rank (resolved against the model). state_bytes: each rank's
     state-cache budget. eplb: the instance's expert layout (its interval is EPLB's; a run starts from
-    a layout EPLB planned on one interval of load when the interval is set).
+    a layout EPLB planned on one interval of load when the interval is set). acceptance: with drafts, the
+    chance a draft is accepted when the ones before it were (see the module).
     """
 
     def __init__(self, cost: CostModel, engine: EngineConfig, state_bytes: int, load: ExpertLoad,
-                 eplb: ExpertPlacement):
+                 eplb: ExpertPlacement, acceptance: float = 0.0):
         self.cost, self.load, self.eplb = cost, load, eplb
+        # tokens a verification yields on average
+        self.tokens_per_step = sum(acceptance**i for i in range(cost.drafts + 1))
         model = cost.shape.config
         self.engine = engine.resolve(model)
         self.ranks = []
@@ -240,7 +249,7 @@ class Simulator:
             num_passes = max(map(len, plans))
             if num_passes == 0:
                 break
-            per_rank = [_chunks(plan) for plan in plans]
+            per_rank = [_chunks(plan, self.cost.drafts if w.mode == "decode" else 0) for plan in plans]
             passes = [[chunks[i] if i < len(chunks) else [] for chunks in per_rank] for i in range(num_passes)]
             pairs, touched = [], []
             for ranks in passes:
@@ -261,7 +270,8 @@ class Simulator:
                 finished += len(done)
                 if step >= warmup:
                     result.computed_tokens += out.num_tokens if w.mode == "prefill" else 0
-                    result.output_tokens += n
+                    result.output_tokens += n * self.tokens_per_step
+                    result.decoded += n
                     result.cached_tokens += sum(o.num_cached_tokens for o in done)
             if step >= warmup:
                 result.steps.append(cost)
@@ -273,9 +283,10 @@ class Simulator:
         return result
 
 
-def _chunks(plan) -> list[list[Chunk]]:
+def _chunks(plan, drafts: int = 0) -> list[list[Chunk]]:
     """A rank's passes (`Runner.plan`) as cost-model chunks: a chunk split over two passes starts
-    its second piece where the first ended, and only its last piece samples."""
+    its second piece where the first ended, and only its last piece samples; a sampling piece verifies
+    `drafts` more rows (decode with drafts)."""
     done: dict[int, int] = {}
     passes = []
     for part in plan:
@@ -283,7 +294,8 @@ def _chunks(plan) -> list[list[Chunk]]:
         for c, ids in part:
             start = c.start + done.get(id(c), 0)
             done[id(c)] = done.get(id(c), 0) + len(ids)
-            chunks.append(Chunk(start, len(ids), c.samples and done[id(c)] >= c.num_tokens))
+            samples = c.samples and done[id(c)] >= c.num_tokens
+            chunks.append(Chunk(start, len(ids) + drafts * samples, samples))
         passes.append(chunks)
     return passes
 
