@@ -48,8 +48,10 @@ class EngineConfig:
       KV agent (disaggregated prefill/decode).
     kv_timeout_s: a reservation for pushed state expires after this long; the decode rank then
       prefills the request itself.
-    speculative_tokens: tokens the model's MTP layer drafts per request and decode step, verified in
-      one forward of the main model (0: no speculation; at most 3).
+    speculative_tokens: tokens the model's draft model (DeepSeek-V4's MTP layer, V4.1's DSpark) drafts per
+      request and decode step, verified in one forward of the main model (0: no speculation; at most 3).
+    draft_confidence: verify a request's drafts only as long as the draft model's estimate that all of them
+      so far are accepted stays at or above this (DSpark's confidence head); 0 verifies all of them.
     weights: "stored" keeps a quantized checkpoint's FP8/FP4 weights as stored (computed by block-scaled
       kernels); "dequantize" turns them into `dtype` at load, for machines without FP8 kernels.
     state_dtype: how compressed entries and indexer keys are held: "auto" (the model dtype), "fp8"
@@ -98,6 +100,7 @@ class EngineConfig:
     kv_pool_mb: float = 64.0
     kv_timeout_s: float = 10.0
     speculative_tokens: int = 0
+    draft_confidence: float = 0.0
     weights: str = "stored"
     state_dtype: str = "auto"
     compile: str = "off"
@@ -142,6 +145,11 @@ class EngineConfig:
         k = self.speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"speculative_tokens={k!r} must be an integer from 0 (off) to {MAX_SPECULATIVE_TOKENS}")
+        c = self.draft_confidence
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0 <= c < 1:
+            raise ConfigError(f"draft_confidence={c!r} must be a number in [0, 1) (0: verify every draft)")
+        if c and not k:
+            raise ConfigError(f"draft_confidence={c} chooses among drafts: set speculative_tokens too, or leave it 0")
         for name in ("async_scheduling", "table_huge_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
@@ -169,6 +177,9 @@ class EngineConfig:
             )
         if self.speculative_tokens:
             model.check_speculation(self.speculative_tokens)
+        if self.draft_confidence and not model.draft_confidence_head:
+            raise ConfigError(f"draft_confidence={self.draft_confidence}: the {model.model_type} model's draft model "
+                              "has no confidence head (DeepSeek-V4.1's DSpark has one); set draft_confidence: 0")
         if self.bounded_replay and not model.replay_window:
             raise ConfigError(f"bounded_replay: the {model.model_type} model has no bounded replay (DeepSeek-V4.1's); "
                               "set bounded_replay: false or leave it out")

@@ -13,7 +13,7 @@ from test_speculative import (ARRIVALS, GREEDY, assert_like_plain, assert_state_
 
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import LLM, SamplingParams
-from rackserve.models import read_config
+from rackserve.models import read_config, resolve
 from rackserve.models.deepseek_v41.tiny import make_tiny
 
 pytestmark = pytest.mark.timeout(600)
@@ -83,8 +83,22 @@ def test_seeded_sampling_with_dspark_drafts_is_reproducible(v41_checkpoint):
     assert outs[0] == outs[1] and all(len(o) == 16 for o in outs[0])
 
 
+def test_draft_confidence_verifies_only_the_drafts_the_confidence_head_expects_accepted(v41_checkpoint, plain):
+    """Each request's drafts are cut where the product of their confidences falls below the threshold:
+    fewer drafts verified, the same greedy output."""
+    got = run(v41_checkpoint, 3, draft_confidence=0.2)
+    assert_like_plain(v41_checkpoint, got, plain)
+    cut = run.stats
+    run(v41_checkpoint, 3)
+    assert 0 < cut["spec_drafts"] < run.stats["spec_drafts"]
+
+
 def test_configuration_errors_say_what_to_change(v41_checkpoint, tmp_path):
     config = read_config(v41_checkpoint)
+    with pytest.raises(ConfigError, match="set speculative_tokens too"):
+        EngineConfig(draft_confidence=0.5)
+    with pytest.raises(ConfigError, match="no confidence head"):
+        EngineConfig(speculative_tokens=1, draft_confidence=0.5).resolve(read_config(resolve("tiny")))
     with pytest.raises(ConfigError, match="dspark_block_size=5 tokens at most"):
         config.check_speculation(6)
     small = make_tiny(tmp_path / "small", config={"sliding_window": 2})
@@ -135,4 +149,6 @@ def test_the_speculative_bench_has_dspark_rows(capsys):
     rows = {(r["k"], r["draft"]): r for r in result["rows"]}
     assert len(rows[3, "dspark"]["acceptance"]) == 3 and len(rows[3, "dspark"]["confidence"]) == 3
     assert rows[3, "oracle"]["acceptance"] == [1.0, 1.0, 1.0]
+    # the confidence threshold verifies fewer of the random stages' drafts
+    assert rows[3, "dspark-c"]["drafts_per_token"] < rows[3, "dspark"]["drafts_per_token"] <= 3
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"bench": "speculative"')

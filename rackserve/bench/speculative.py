@@ -8,7 +8,8 @@ For each model and batch size, that many prompts of `--isl` tokens generate `--o
 ignored) together, with `speculative_tokens` k = 0 … 3. Drafts come from the model's draft model: the MTP
 layer of DeepSeek-V4 (`tiny`, `tiny-code`), DSpark of DeepSeek-V4.1 (`tiny-v41`, the random tiny V4.1
 checkpoint, made in a temporary directory; its rows also give the confidence head's mean estimate of
-acceptance per position). On the random checkpoints (whose draft models rarely agree with the main
+acceptance per position, and its "dspark-c" rows verify only the drafts whose estimate stays at or above
+`--draft-confidence`, `EngineConfig.draft_confidence`). On the random checkpoints (whose draft models rarely agree with the main
 model) also from an oracle that proposes the main model's own greedy continuation (every draft
 accepted): the ceiling of speculation, and with it the cost of verifying k+1 positions and keeping the
 draft model's state.
@@ -36,7 +37,7 @@ from rackserve.models.deepseek_v41.tiny import make_tiny as make_tiny_v41
 from rackserve.models.tokenizer import Tokenizer
 
 KS = (0, 1, 2, 3)
-DRAFTS = {"tiny": ("mtp", "oracle"), "tiny-code": ("mtp",), "tiny-v41": ("dspark", "oracle")}
+DRAFTS = {"tiny": ("mtp", "oracle"), "tiny-code": ("mtp",), "tiny-v41": ("dspark", "dspark-c", "oracle")}
 
 
 def _checkpoint(model: str, scratch: Path) -> Path:
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--osl", type=int, default=48)
     parser.add_argument("--batches", type=script.int_list, default="1,8,64")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration; the median is reported")
+    parser.add_argument("--draft-confidence", type=float, default=0.3,
+                        help="the dspark-c rows' EngineConfig.draft_confidence (default 0.3)")
     parser.add_argument("--models", default="tiny,tiny-code,tiny-v41", help="comma-separated: tiny, tiny-code, "
                         "tiny-v41")
     args = parser.parse_args(argv)
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     print(f"ISL {args.isl}, OSL {args.osl}, greedy; fp32, {torch.get_num_threads()} CPU threads")
     print(f"{'model':>9} {'batch':>5} {'k':>2} {'draft':>7} {'seconds':>8} {'tok/s/user':>11} {'tok/s':>8} "
-          f"{'speedup':>8} {'accepted/step':>14}  acceptance per position [DSpark's confidence]")
+          f"{'speedup':>8} {'accepted/step':>14}  acceptance per position [DSpark: confidence per position]")
     scratch = Path(tempfile.mkdtemp(prefix="rackserve-bench-"))
     for model in args.models.split(","):
         path = _checkpoint(model, scratch)
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
             base = None
             for k in KS:
                 for draft in (DRAFTS[model] if k else ("-",)):
-                    llm = LLM(path, speculative_tokens=k, **engine_kwargs)
+                    confidence = args.draft_confidence if draft == "dspark-c" else 0.0
+                    llm = LLM(path, speculative_tokens=k, draft_confidence=confidence, **engine_kwargs)
                     if draft == "oracle":
                         continuation = {tuple(p): out for p, out in zip(prompts, expected)}
 
@@ -106,12 +110,16 @@ def main(argv: list[str] | None = None) -> dict:
                            "speedup": round(base / seconds, 2),
                            "mean_accepted": round(stats.get("spec_mean_accepted", 0), 3),
                            "acceptance": [round(r, 3) for r in rates]}
-                    if draft == "dspark":
+                    if draft.startswith("dspark"):
+                        # drafts verified per output token (the stats count the warm-up run too)
+                        row["drafts_per_token"] = round(stats["spec_drafts"] / ((args.repeats + 1) * batch * args.osl),
+                                                        2)
                         row["confidence"] = [round(c, 3) for c in stats["spec_confidence"]]
                     rows.append(row)
                     print(f"{model:>9} {batch:>5} {k:>2} {draft:>7} {seconds:>8.2f} {row['tok_s_user']:>11.1f} "
                           f"{row['tok_s']:>8.1f} {row['speedup']:>7.2f}x {row['mean_accepted']:>14.2f}  "
-                          f"{row['acceptance']}" + (f" {row['confidence']}" if "confidence" in row else ""))
+                          f"{row['acceptance']}" + (f" {row['confidence']}, {row['drafts_per_token']} drafts verified a token"
+                                                    if "confidence" in row else ""))
     result = {"bench": "speculative", "isl": args.isl, "osl": args.osl, "rows": rows}
     return script.headline(result)
 

@@ -65,6 +65,8 @@ class Engine:
             )
         self.scheduler = Scheduler(self.config, self.cache)
         self.speculator = Speculator(model, self.cache, c.speculative_tokens) if c.speculative_tokens else None
+        if c.draft_confidence:  # `resolve` checked that the draft model has a confidence head (DSpark)
+            self.speculator.drafter.min_confidence = c.draft_confidence
         self.runner = Runner(model, self.cache, self.speculator, c.max_num_seqs)
         self.balancer = None
         if scratch:

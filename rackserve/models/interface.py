@@ -60,6 +60,10 @@ class ModelSpec(Protocol):
     def expert_counts(self) -> tuple[int, ...]:
         """Routed experts of each of the `num_moe_layers` layers (a draft model's may have fewer)."""
 
+    @property
+    def draft_confidence_head(self) -> bool:
+        """Whether the draft model estimates its drafts' acceptance (`EngineConfig.draft_confidence`)."""
+
     def check_speculation(self, k: int) -> None:
         """Raise `ConfigError` naming the fix if this model cannot draft `k` tokens per step."""
 

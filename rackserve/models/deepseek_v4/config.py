@@ -260,6 +260,8 @@ class ModelConfig:
         """Routed experts of each MoE layer (`ModelSpec.expert_counts`): the same in all of them."""
         return (self.n_routed_experts,) * self.num_moe_layers
 
+    draft_confidence_head: ClassVar[bool] = False  # the MTP layer estimates nothing
+
     def check_speculation(self, k: int) -> None:
         """Whether this model can draft `k` tokens with its MTP layer; raise saying what to change if not."""
         if not self.num_nextn_predict_layers:

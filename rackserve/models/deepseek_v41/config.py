@@ -283,6 +283,11 @@ class ModelConfig:
         """Every layer is a MoE layer, the DSpark stages' after the main ones: rows of an expert layout."""
         return self.num_hidden_layers + self.num_nextn_predict_layers
 
+    @property
+    def draft_confidence_head(self) -> bool:
+        """DSpark's last stage estimates each draft's acceptance."""
+        return bool(self.num_nextn_predict_layers)
+
     def check_speculation(self, k: int) -> None:
         """Whether DSpark can draft `k` tokens a step; raise saying what to change if not."""
         if not self.num_nextn_predict_layers:

@@ -20,8 +20,10 @@ As DeepSeek's reference (`DSparkBlock`, `DSparkAttention`, `Transformer.forward_
 (`deepseek_v41/nvidia/dspark.py`) define it; the block is the checkpoint's `dspark_block_size` rows as
 DeepSeek's reference runs it (vLLM runs as many rows as it drafts), the first k drafts are proposed.
 Drafts are greedy, a one-hot draft distribution, so verification's rejection sampling stays exact for
-sampled requests (`rackserve.engine.sampling`). The confidences are reported (`DSparkDrafter.stats`),
-not used to choose how many drafts to verify.
+sampled requests (`rackserve.engine.sampling`). The confidences are reported (`DSparkDrafter.stats`)
+and, with `EngineConfig.draft_confidence` (`DSparkDrafter.min_confidence`), choose how many drafts to
+verify: a request's drafts are cut where the product of their confidences (the estimate that all of them
+so far are accepted) falls below it.
 """
 
 from __future__ import annotations
@@ -102,13 +104,15 @@ class Stage(Block):
 class DSparkDrafter:
     """Drafts with `model`'s DSpark stages (`model.mtp`), whose context rings are the state's layers after
     the main ones (`Drafter`, `rackserve.models.interface`). A draft pass is one forward of the stages
-    whatever k is; the follow runs no MoE. `graphs` is not used: the passes run eagerly."""
+    whatever k is; the follow runs no MoE. `graphs` is not used: the passes run eagerly. `min_confidence`:
+    see the module (0: propose all k)."""
 
     def __init__(self, model, state):
         self.model, self.state = model, state
         c = model.config
         self.layers = range(c.num_hidden_layers, c.num_hidden_layers + c.num_nextn_predict_layers)
         self.graphs = None
+        self.min_confidence = 0.0
         self.confidence: list[float] = []  # per draft position: the confidences' sum (sigmoid)
         self.drafts: list[int] = []  # per draft position: drafts proposed
 
@@ -132,16 +136,18 @@ class DSparkDrafter:
 
     def propose(self, handles: Sequence[RequestState], last: Sequence[int], k: int) -> list[list[int]]:
         """The first k of the block's greedy drafts for each request of `handles` after its sampled token
-        `last[i]` (not yet run by the main model); the state is left as it was."""
+        `last[i]` (not yet run by the main model), fewer where their confidence falls below
+        `min_confidence`; the state is left as it was."""
         drafts, confidence = self._draft(list(handles), list(last))
         drafts, confidence = drafts[:, :k], torch.sigmoid(confidence[:, :k])
+        keep = (torch.cumprod(confidence, dim=1) >= self.min_confidence).sum(1).tolist()  # a prefix: products fall
         if len(self.confidence) < k:
             self.confidence += [0.0] * (k - len(self.confidence))
             self.drafts += [0] * (k - len(self.drafts))
         for i, total in enumerate(confidence.sum(0).tolist()):
             self.confidence[i] += total
             self.drafts[i] += len(handles)
-        return drafts.tolist()
+        return [row[:n] for row, n in zip(drafts.tolist(), keep)]
 
     def _draft(self, handles: list[RequestState], last: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass -> (drafts `[R, B]`, confidence logits `[R, B]` fp32)."""

@@ -113,6 +113,8 @@ class ModelConfig:
     def block_rule(self) -> str:
         return "any positive number of tokens (a plain KV cache)"
 
+    draft_confidence_head: ClassVar[bool] = False  # no draft model
+
     def check_speculation(self, k: int) -> None:
         raise ConfigError(f"speculative_tokens={k}: qwen3_moe checkpoints have no draft model (no MTP layers); "
                           "set speculative_tokens=0")
