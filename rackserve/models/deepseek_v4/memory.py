@@ -43,11 +43,13 @@ def precisions(config) -> dict[str, QuantConfig | None]:
 @dataclass(frozen=True)
 class WeightBytes:
     """dense: bytes every DP rank holds; expert_slot: bytes of one routed-expert slot of every MoE layer
-    (main and MTP), i.e. one expert of each; experts: the number of routed experts per layer."""
+    (main and draft), i.e. one expert of each; experts: the number of routed experts per main layer;
+    all_experts: bytes of every routed expert once (a draft model's layers may have fewer)."""
 
     dense: int
     expert_slot: int
     experts: int
+    all_experts: int
 
     def rank(self, slots: int) -> int:
         """Bytes of a rank holding the dense part and `slots` expert slots of every MoE layer."""
@@ -55,7 +57,7 @@ class WeightBytes:
 
     @property
     def full_copy(self) -> int:
-        return self.rank(self.experts)
+        return self.dense + self.all_experts
 
 
 @functools.cache  # the meta build of V4-Flash's shape takes seconds; a report asks for each precision once
@@ -63,17 +65,19 @@ def weight_bytes(config, quant: QuantConfig | None, dtype: torch.dtype = torch.b
     """The bytes of `config`'s weights stored as `quant` says (None: all in `dtype`), fp32 where the
     model keeps it. Tables a family keeps in host memory are not weights (`host_table_bytes`)."""
     model = build_model(config, dtype, materialize=False, cls=family(config.model_type).model_class)
-    dense = experts = 0
+    dense = slot = experts = 0
     for name, tensor in model.state_dict().items():
         fmt = model.published_format(name, quant)
         parts = [tensor] if fmt is None else quantize(tensor, quant.weight_block_size, fp4=fmt == "fp4",
                                                       ue8m0=quant.scale_fmt == "ue8m0")
         size = sum(t.numel() * t.element_size() for t in parts)
         if PUBLISHED_EXPERTS.search(name):
+            # one expert of this layer: every layer has as many slots, a draft model's with fewer experts too
+            slot += size // len(tensor)
             experts += size
         else:
             dense += size
-    return WeightBytes(dense, experts // config.n_routed_experts, config.n_routed_experts)
+    return WeightBytes(dense, slot, config.n_routed_experts, experts)
 
 
 def slots_per_rank(experts: int, redundant: int, ranks: int) -> int:
