@@ -152,3 +152,23 @@ def test_the_speculative_bench_has_dspark_rows(capsys):
     # the confidence threshold verifies fewer of the random stages' drafts
     assert rows[3, "dspark-c"]["drafts_per_token"] < rows[3, "dspark"]["drafts_per_token"] <= 3
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"bench": "speculative"')
+
+
+@pytest.mark.slow
+def test_split_instance_with_dspark_drafts_gives_the_single_process_tokens(ray_cluster, v41_checkpoint):
+    """Attention–FFN split: the expert ranks serve the stages' MoE once per draft pass and nothing for a
+    follow (DSpark's runs no MoE), in step with the DP ranks."""
+    from rackserve.cluster.instance import Instance
+
+    engine = {"max_num_seqs": 4, "block_size": 16}
+    prompts = [list(range(3 + n, 3 + 2 * n)) for n in (9, 33, 21)]
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    want = [c.token_ids for c in LLM(v41_checkpoint, **engine).generate(prompts, params)]
+    inst = Instance(v41_checkpoint, dep=2, expert_ranks=2, engine_kwargs={**engine, "speculative_tokens": 2})
+    try:
+        got = [c.token_ids for c in inst.generate(prompts, params)]
+        assert_same_tokens(v41_checkpoint, prompts, got, want, params)
+        dp = [m for m in inst.stats()["members"] if m["role"] == "DP rank"]
+        assert sum(m["spec_verifies"] for m in dp) > 0
+    finally:
+        inst.shutdown()
