@@ -172,3 +172,20 @@ def test_split_instance_with_dspark_drafts_gives_the_single_process_tokens(ray_c
         assert sum(m["spec_verifies"] for m in dp) > 0
     finally:
         inst.shutdown()
+
+
+def test_dspark_drafts_after_a_prefix_hit_without_a_snapshot(v41_checkpoint):
+    """Under bounded replay a hit at any cached block recomputes the last window of tokens, which rewrites
+    DSpark's context rings too: the second request of a shared prefix drafts from them and decodes what a
+    run without drafts decodes."""
+    shared = prompt(48, seed=90)
+    prompts = [shared + prompt(5, seed=91), shared + prompt(11, seed=92)]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    outs = {}
+    for k in (0, 3):
+        llm = LLM(v41_checkpoint, speculative_tokens=k, block_size=16, prefix_snapshots=0)
+        first = llm.generate(prompts[:1], params)[0]
+        second = llm.generate(prompts[1:], params)[0]
+        assert second.num_cached_tokens >= 32  # a hit without a snapshot: two of the shared blocks
+        outs[k] = [first.token_ids, second.token_ids]
+    assert_same_tokens(v41_checkpoint, prompts, outs[3], outs[0], params)
