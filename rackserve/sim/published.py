@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rackserve.models.deepseek_v41 import FLASH_CONFIG
 from rackserve.sim.experts import ExpertLoad, ExpertPlacement, eplb_trace
 from rackserve.sim.hardware import assumption_rows, preset
 from rackserve.sim.scenario import ACCEPTANCE, MODELS, ZIPF, Scenario, simulate
@@ -171,8 +170,7 @@ def _moe_layers(model: str) -> dict[str, tuple[int, int, int]]:
     if model == BEFORE:
         out["draft"] = (c.num_nextn_predict_layers, c.n_routed_experts, c.num_experts_per_tok)
     else:
-        raw = json.loads(FLASH_CONFIG.read_text())["text_config"]
-        out["draft"] = (c.num_nextn_predict_layers, raw["dspark_n_routed_experts"], raw["dspark_num_experts_per_tok"])
+        out["draft"] = (c.num_nextn_predict_layers, *c.draft_experts)
     return out
 
 

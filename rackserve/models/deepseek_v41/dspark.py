@@ -139,7 +139,8 @@ class DSparkDrafter:
         `last[i]` (not yet run by the main model), fewer where their confidence falls below
         `min_confidence`; the state is left as it was."""
         drafts, confidence = self._draft(list(handles), list(last))
-        drafts, confidence = drafts[:, :k], torch.sigmoid(confidence[:, :k])
+        # the host reads each once; what follows is a few numbers a request
+        drafts, confidence = drafts[:, :k].tolist(), torch.sigmoid(confidence[:, :k]).cpu()
         keep = (torch.cumprod(confidence, dim=1) >= self.min_confidence).sum(1).tolist()  # a prefix: products fall
         if len(self.confidence) < k:
             self.confidence += [0.0] * (k - len(self.confidence))
@@ -147,7 +148,7 @@ class DSparkDrafter:
         for i, total in enumerate(confidence.sum(0).tolist()):
             self.confidence[i] += total
             self.drafts[i] += len(handles)
-        return [row[:n] for row, n in zip(drafts.tolist(), keep)]
+        return [row[:n] for row, n in zip(drafts, keep)]
 
     def _draft(self, handles: list[RequestState], last: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass -> (drafts `[R, B]`, confidence logits `[R, B]` fp32)."""

@@ -94,7 +94,6 @@ def _unserved(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             "aligner.w1.weight": (d, 8), "image_start": (d,), "image_end": (d,), "image_newline": (d,)}
     for name, shape in bf16.items():
         out[name] = (torch.randn(shape, generator=g) * 0.1).to(torch.bfloat16)
-    for layer in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
-        out[f"mtp.{layer - cfg.num_hidden_layers}.ffn.gate.bias_vl"] = torch.randn(cfg.draft_experts[0],
-                                                                                   generator=g) * 0.1
+    for stage in range(cfg.num_nextn_predict_layers):
+        out[f"mtp.{stage}.ffn.gate.bias_vl"] = torch.randn(cfg.draft_experts[0], generator=g) * 0.1
     return out
