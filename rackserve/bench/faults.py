@@ -24,9 +24,10 @@ Per fault, in turn:
    its health checks miss, ~15 s; the instance is re-planned onto the free tray, the store replaced
    in its rack; the node joins again after the row);
 4. each stream: completed with the undisturbed text, completed with other text, ended with an error
-   (an error event, or cut off before its [DONE]), or hung (no end within --hang-s); "replayed"
-   counts the requests the ingress replayed (its `rackserve_replayed_requests`; not counted with two
-   replicas);
+   (an error event, or cut off before its [DONE]), or hung (no end within --hang-s); "flight"
+   counts the streams still running when the fault struck (the rest had ended: a loaded machine may
+   finish a few first), "replayed" the requests the ingress replayed (its `rackserve_replayed_requests`;
+   not counted with two replicas), at most "flight";
 5. recovery: seconds from the fault until a new 1-token request succeeds;
 6. TTFT after: p50 of --probes once recovered and every instance serves again (its gang restarted,
    re-planned or not; up to 120 s) (target: within 1.5x of before), the push failures and
@@ -105,6 +106,7 @@ class Row:
     fault: str
     app: str
     streams: int
+    in_flight: int  # streams not yet done when the fault struck (on a loaded machine some may end before it)
     completed: int  # with the undisturbed text
     differed: int  # completed with other text
     errored: int
@@ -340,6 +342,7 @@ def run_fault(app: App, fault: str, inject: Callable[[App, list[Outcome]], None]
     runs = run_streams(app.url, batch, osl)
     for out, _ in runs:
         out.started.wait(60)
+    in_flight = sum(not out.done for out, _ in runs)
     fault_at = time.monotonic()
     inject(app, [out for out, _ in runs])
     while True:  # until a new request gets through
@@ -362,7 +365,7 @@ def run_fault(app: App, fault: str, inject: Callable[[App, list[Outcome]], None]
     while time.monotonic() < until and not memory_back:
         memory_back = decode_state_in_use(app) <= idle
         time.sleep(0.5)
-    return Row(fault, app.name, streams,
+    return Row(fault, app.name, streams, in_flight,
                completed=sum(o.done and o.error is None and o.text == want for o, want in zip(outs, expected)),
                differed=sum(o.done and o.error is None and o.text != want for o, want in zip(outs, expected)),
                errored=sum(o.done and o.error is not None for o in outs), hung=sum(not o.done for o in outs),
@@ -387,13 +390,13 @@ def _sampling(index: int) -> tuple[int | None, int]:
 
 
 def table(rows: list[Row]) -> str:
-    header = (f"{'fault':<38} {'streams':>7} {'same':>5} {'other':>5} {'error':>5} {'hung':>5} {'replayed':>8} "
+    header = (f"{'fault':<38} {'streams':>7} {'flight':>6} {'same':>5} {'other':>5} {'error':>5} {'hung':>5} {'replayed':>8} "
               f"{'recovery s':>10} {'TTFT before':>11} {'after ms':>9} {'ratio':>6} {'push fail':>9} {'recomp':>6} "
               f"{'memory':>7}")
     lines = [header, "-" * len(header)]
     for r in rows:
         replays = "-" if r.replayed is None else r.replayed
-        lines.append(f"{r.fault:<38} {r.streams:>7} {r.completed:>5} {r.differed:>5} {r.errored:>5} {r.hung:>5} "
+        lines.append(f"{r.fault:<38} {r.streams:>7} {r.in_flight:>6} {r.completed:>5} {r.differed:>5} {r.errored:>5} {r.hung:>5} "
                      f"{replays:>8} {r.recovery_s:>10.1f} {r.ttft_before_ms:>11.0f} {r.ttft_after_ms:>9.0f} "
                      f"{r.ttft_ratio:>6.2f} {r.push_failures_after:>9} {r.recomputed_after:>6} "
                      f"{'idle' if r.memory_back else 'HELD':>7}")
