@@ -2,6 +2,8 @@
 
     client -> DP rank            Submit          a request (`DPRank.submit`; `DPRank.reserve` for a push here)
     DP rank -> owner -> client   RankLoad        what a rank holds, for routers (`DPRank.load`, `Deployment.loads`)
+    DP rank, KV store -> owner   BlockDelta      the blocks a cache stored and evicted (in `RankLoad`, `KVStore.block_events`)
+    owner -> client              BlockFeed       every cache's deltas since what the client saw (`Deployment.block_feed`)
     gang member -> its owner     MemberPing      liveness and whereabouts (`GangMember.ping`)
     owner -> client              DeploymentView  the instances, KV stores and checkpoint a client is built from
     data plane -> ingress        ModelInfo       the model's limits (`Controller.info`)
@@ -45,14 +47,42 @@ class Submit:
 
 
 @dataclass(frozen=True)
+class BlockDelta:
+    """The full blocks a cache stored and evicted since its reader last asked, as keys
+    (`rackserve.engine.block_events.block_key`); `seq`: the event number to ask from next; `reset`:
+    `stored` is every block it holds (a new reader, or one too far behind), forget what it had."""
+
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    seq: int = 0
+    reset: bool = False
+
+
+@dataclass(frozen=True)
+class BlockFeed:
+    """What a router's prefix index applies (`rackserve.cluster.prefix_index.IndexReplica`): the
+    deltas of each cache (its index in the deployment's cache list) in the order the owner took them,
+    up to feed number `seq`; or, to a router too far behind, `dump`: the owner's whole index
+    (`PrefixIndex.dump`)."""
+
+    seq: int
+    deltas: tuple[tuple[int, BlockDelta], ...] = ()
+    dump: tuple | None = None
+
+
+@dataclass(frozen=True)
 class RankLoad:
     """What a router weighs (`Engine.load`): requests held (running, waiting, state on its way in),
-    tokens of state they hold or will, prompt tokens still to prefill; `generation`: the gang that
-    reported it (stamped by the owner; -1 before)."""
+    tokens of state they hold or will, prompt tokens still to prefill, the blocks its prefix cache has
+    room for; `blocks`: what that cache stored and evicted since the owner last asked (taken off by the
+    owner before clients see the load); `generation`: the gang that reported it (stamped by the owner;
+    -1 before)."""
 
     requests: int = 0
     tokens: int = 0
     prefill_tokens: int = 0
+    cache_blocks: int = 0
+    blocks: BlockDelta | None = None
     generation: int = -1
 
 
@@ -81,13 +111,16 @@ class InstanceView:
 @dataclass(frozen=True)
 class DeploymentView:
     """What a `DeploymentClient` is built from: the instances by role, the KV store actors, which store
-    each DP rank writes to (an index into `stores`, None: none), the checkpoint directory."""
+    each DP rank writes to (an index into `stores`, None: none), the checkpoint directory, the ranks'
+    block size (tokens) and how requests are routed (`RoutingConfig`'s fields)."""
 
     decode: tuple[InstanceView, ...]
     prefill: tuple[InstanceView, ...]
     stores: tuple[Any, ...]  # KVStore actor handles
     rank_store: dict[RankKey, int | None] = field(default_factory=dict)
     path: Path | None = None
+    block_size: int = 0
+    routing: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

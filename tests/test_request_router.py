@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from rackserve.cluster.request_router import RequestRouter
+from rackserve.cluster.request_router import RequestRouter, RoutingConfig
 from rackserve.messages import RankLoad
 
 DECODE = [("decode0-x", 0), ("decode0-x", 1), ("decode1-x", 0), ("decode1-x", 1)]
@@ -25,7 +25,7 @@ def test_two_routers_send_a_session_to_the_same_ranks():
 
 
 def test_a_session_stays_put_until_its_rank_is_overloaded():
-    router = RequestRouter(DECODE, PREFILL, slack=0.5)
+    router = RequestRouter(DECODE, PREFILL, RoutingConfig(slack=0.5))
     home = router.decode_rank("chat-7", 200)
     router.update({rank: RankLoad(tokens=1000, prefill_tokens=0) for rank in DECODE})
     assert router.decode_rank("chat-7", 200) == home  # balanced: where its history is

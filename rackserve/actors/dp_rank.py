@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -172,9 +172,12 @@ class DPRank(GangMember):
                     self._outputs[request_id] = []
             return ready
 
-    def load(self) -> RankLoad:
-        """This rank's load as of its last step (`Engine.load`), for routers."""
-        return self._load
+    def load(self, blocks_since: int | None = None) -> RankLoad:
+        """This rank's load as of its last step (`Engine.load`), for routers, with the blocks its cache
+        stored and evicted from event `blocks_since` on (`BlockLog.since`; None: every block it holds)."""
+        if self.engine is None:
+            return self._load
+        return replace(self._load, blocks=self.engine.cache.events.since(blocks_since))
 
     def _stats(self) -> dict:
         return self.engine.stats()

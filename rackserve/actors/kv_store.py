@@ -16,6 +16,7 @@ import torch
 
 from rackserve.config import EngineConfig
 from rackserve.engine.prefix_store import PrefixStore
+from rackserve.messages import BlockDelta
 from rackserve.models import read_config, resolve
 from rackserve.timeouts import TIMEOUTS
 from rackserve.transfer.kv_agent import KVAgent, RemoteRegion
@@ -62,6 +63,10 @@ class KVStore:
             hit = self.store.lookup(token_ids)
             self._busy_until = time.monotonic() + TIMEOUTS.store_busy_for_s
         return hit
+
+    def block_events(self, since: int | None) -> BlockDelta:
+        """The blocks this store cached and evicted from event `since` on (`BlockLog.since`)."""
+        return self.store.cache.events.since(since)
 
     def stats(self) -> dict:
         with self._lock:

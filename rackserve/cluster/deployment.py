@@ -12,7 +12,10 @@ KV store by an empty one, and gathers the ranks' load reports every `TIMEOUTS.lo
 through a `DeploymentClient` (routing, the P/D path, streaming, replay: see
 `rackserve.cluster.deployment_client`): the deployment keeps one for its own Python API,
 and any other process (an ingress replica) can make its own from `view()`, `members_of`,
-`gang_failed` and `loads`, which is what the serving data plane exposes (`rackserve.serve.controller`).
+`gang_failed`, `loads` and `block_feed`, which is what the serving data plane exposes
+(`rackserve.serve.controller`). Every rank's and store's block events are gathered with the loads into
+one journal (`BlockJournal`) that every client's router follows (`block_feed`), so routers know what
+each cache holds without asking it.
 Each decode rank writes prompt + answer back to its KV store when a request finishes, so the next
 turn of a session prefills only its new text.
 """
@@ -26,7 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import ray
@@ -36,10 +39,12 @@ from rackserve.actors.kv_store import KVStore
 from rackserve.cluster.deployment_client import DeploymentClient
 from rackserve.cluster.faults import GANG_ERRORS, InstanceError, UnplacedError, member_name
 from rackserve.cluster.instance import Instance
+from rackserve.cluster.prefix_index import BlockJournal
+from rackserve.cluster.request_router import RoutingConfig
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import Completion, RequestOutput, SamplingParams
-from rackserve.messages import DeploymentView, InstanceView, RankKey, RankLoad
-from rackserve.models import resolve
+from rackserve.messages import BlockFeed, DeploymentView, InstanceView, RankKey, RankLoad
+from rackserve.models import read_config, resolve
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.placement import InstanceGroup, PlacementError, TopologyError
 from rackserve.placement import plan as plan_instances
@@ -104,7 +109,8 @@ class Deployment:
                  kv_stores: int = 1, engine_kwargs: dict | None = None, store_memory_mb: float = 256.0,
                  timeout: float = 30.0, decode_redundant_slots: int = 0, plan: Plan | None = None,
                  placement_groups: dict | None = None, bundle_resources: dict[str, float] | None = None,
-                 prefill_engine_kwargs: dict | None = None, decode_engine_kwargs: dict | None = None):
+                 prefill_engine_kwargs: dict | None = None, decode_engine_kwargs: dict | None = None,
+                 routing: RoutingConfig | None = None):
         """`prefill` / `decode`: instance shapes as the planner writes them ("2xDEP2", "DEP4",
         "AFD2+2"); `kv_stores`: KV-store actors (0: none); `engine_kwargs`: `EngineConfig` fields of
         every rank, with `prefill_engine_kwargs` / `decode_engine_kwargs` on top for one role (the
@@ -113,17 +119,21 @@ class Deployment:
         its `placement_groups` (`placement.ray_groups`, made with `bundle_resources`), the instances
         and KV stores are the plan's, each rank and store where the plan put it; `prefill`, `decode`
         and `kv_stores` are then the plan's too. An instance whose group loses a node is re-planned
-        onto free GPUs (`_replan`): the deployment then holds its new group (`placement_groups`)."""
+        onto free GPUs (`_replan`): the deployment then holds its new group (`placement_groups`).
+        `routing`: how clients route requests (`RoutingConfig`; its `index_entries` bounds the owner's
+        block index too)."""
         groups = [InstanceGroup.parse(prefill, "prefill"), InstanceGroup.parse(decode, "decode")]
         if plan is None and (groups[0].count < 1 or groups[1].count < 1):
             raise ConfigError(f"prefill={prefill!r}, decode={decode!r}: a deployment needs at least one of each")
         if plan is None and kv_stores < 0:
             raise ConfigError(f"kv_stores={kv_stores} must be ≥ 0")
         self.path = str(resolve(model))
+        self.routing = routing or RoutingConfig()
         self.tokenizer = Tokenizer(self.path) if (Path(self.path) / "tokenizer.json").is_file() else None
         engine_kwargs = dict(engine_kwargs or {})
         tag = secrets.token_hex(3)
         prefill_kwargs, decode_kwargs = _role_engine_kwargs(engine_kwargs, prefill_engine_kwargs, decode_engine_kwargs)
+        self.block_size = EngineConfig(**decode_kwargs).resolve(read_config(self.path)).block_size
         # the stores hold the state layout the ranks write (with the MTP layer when decode speculates)
         store_kwargs = {**engine_kwargs, "speculative_tokens": prefill_kwargs.get("speculative_tokens", 0)}
         role_kwargs = {"prefill": {"engine_kwargs": prefill_kwargs},
@@ -169,6 +179,10 @@ class Deployment:
         self._store_agents: dict[int, tuple[str, bytes]] = {}  # each live KV store's
         self._wiring = threading.RLock()  # one rewiring at a time (restarts and store replacements)
         self._loads: dict[RankKey, RankLoad] = {}
+        # every cache numbered once (`rackserve.cluster.prefix_index`): DP ranks, decode then prefill, then stores
+        ranks = [(i.name, r) for i in self.decode + self.prefill for r in range(i.dep)]
+        self._cache_of = {key: n for n, key in enumerate(ranks)}
+        self.blocks = BlockJournal(len(ranks) + len(self.stores), self.routing.index_entries, ranks=len(ranks))
         self._closed = False
         self._connect()
         for inst in self.prefill + self.decode:
@@ -288,7 +302,7 @@ class Deployment:
             return tuple(InstanceView(i.name, i.dep, f"{i.shape} instance {i.name!r}") for i in instances)
 
         return DeploymentView(seen(self.decode), seen(self.prefill), tuple(self.stores), dict(self._rank_store),
-                              self.path)
+                              self.path, self.block_size, asdict(self.routing))
 
     def _replan(self, name: str) -> PlacementGroup:
         """A new placement group (not yet placed) for instance `name`, whose group lost a node: the plan
@@ -330,24 +344,51 @@ class Deployment:
         send it nothing while another can take it)."""
         return self._loads
 
+    def block_feed(self, since: int) -> BlockFeed:
+        """The caches' block deltas after feed number `since`, for a client's router (`BlockJournal.feed`)."""
+        return self.blocks.feed(since)
+
     def _gather_loads(self) -> None:
+        """Every `TIMEOUTS.load_period_s`: each DP rank's load and each cache's block events since the
+        last (a rank of a new gang, or a replaced store, from nothing: its first delta is a reset)."""
         seen: dict[RankKey, float] = {}  # when each rank last answered
+        cursor: dict[RankKey, tuple[int, int]] = {}  # rank -> (its gang's generation, its next block event)
+        store_cursor: dict[int, tuple[object, int]] = {}  # store index -> (its handle, its next block event)
         while not self._closed:
             members = [(inst.name, rank, generation, m) for inst in self.prefill + self.decode
                        if not (inst.restarting or inst.down)
                        for generation, gang in [inst.members_of()] for rank, m in enumerate(gang[:inst.dep])]
-            refs = [m.load.remote() for *_, m in members]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+            refs = []
+            for name, rank, generation, m in members:
+                at = cursor.get((name, rank))
+                refs.append(m.load.remote(at[1] if at is not None and at[0] == generation else None))
+            stores = [(k, store) for k, store in enumerate(self.stores) if k not in self.dead_stores]
+            store_refs = []
+            for k, store in stores:
+                at = store_cursor.get(k)
+                store_refs.append(store.block_events.remote(at[1] if at is not None and at[0] is store else None))
+            ready, _ = ray.wait(refs + store_refs, num_returns=len(refs + store_refs), timeout=1.0)
             loads, now = {}, time.monotonic()
             for (name, rank, generation, _), ref in zip(members, refs, strict=True):
                 if ref in ready:
                     try:
-                        loads[(name, rank)] = replace(ray.get(ref), generation=generation)
-                        seen[(name, rank)] = now
+                        load = ray.get(ref)
                     except ray.exceptions.RayError:  # a failed gang: its clients or the watcher restart it
                         continue
+                    self.blocks.add(self._cache_of[(name, rank)], load.blocks)
+                    cursor[(name, rank)] = (generation, load.blocks.seq)
+                    loads[(name, rank)] = replace(load, blocks=None, generation=generation)
+                    seen[(name, rank)] = now
                 elif (name, rank) in self._loads and now - seen.get((name, rank), now) < TIMEOUTS.load_stale_s:
                     loads[(name, rank)] = self._loads[(name, rank)]  # slow to answer this time
+            for (k, store), ref in zip(stores, store_refs, strict=True):
+                if ref in ready:
+                    try:
+                        delta = ray.get(ref)
+                    except ray.exceptions.RayError:  # dead: the watcher replaces it (a reset comes with the new one)
+                        continue
+                    self.blocks.add(len(self._cache_of) + k, delta)
+                    store_cursor[k] = (store, delta.seq)
             self._loads = loads
             time.sleep(TIMEOUTS.load_period_s)
 

@@ -4,9 +4,10 @@ The owner (`Deployment`, in-process or inside the serving data plane's actor) cr
 and KV stores and keeps them alive; a client, one per process that takes requests (the Python API's
 `Deployment` itself, every ingress replica), routes and streams:
 
-1. `RequestRouter` picks the decode rank (session affinity, else the least state load) and the prefill rank
-   (affinity, else the fewest queued prompt tokens), from the loads the owner gathers from the ranks
-   (refreshed every `TIMEOUTS.load_refresh_s` by a thread of this client); while no prefill rank reports (all
+1. `RequestRouter` picks the decode rank and then the prefill rank by what their caches and KV stores
+   hold of the prompt against their loads (see `rackserve.cluster.request_router`; a session id is a
+   hint), from the loads and block events the owner gathers from the ranks and stores (refreshed every
+   `TIMEOUTS.load_refresh_s` by a thread of this client); while no prefill rank reports (all
    restarting, down or lost), the decode rank is given the whole request and prefills it itself;
 2. the decode rank reserves room for the request's state; the KV store that decode rank writes to is
    asked for the longest cached prefix; the prefill rank reads that prefix, prefills the rest,
@@ -40,10 +41,11 @@ import ray
 
 from rackserve.cluster.faults import InstanceError
 from rackserve.cluster.instance_client import GangOwner, InstanceClient
-from rackserve.cluster.request_router import RequestRouter
+from rackserve.cluster.request_router import RequestRouter, RoutingConfig
 from rackserve.engine import Completion, RequestOutput, SamplingParams
+from rackserve.engine.block_events import prefix_keys
 from rackserve.engine.detokenizer import IncrementalDetokenizer
-from rackserve.messages import DeploymentView, RankKey, RankLoad
+from rackserve.messages import BlockFeed, DeploymentView, RankKey, RankLoad
 from rackserve.models.tokenizer import Tokenizer, prompt_ids
 from rackserve.timeouts import TIMEOUTS
 from rackserve.transfer.transport import RemoteRegion
@@ -58,6 +60,9 @@ class DeploymentOwner(GangOwner, Protocol):
 
     def loads(self) -> dict[RankKey, RankLoad]:
         """The DP ranks' latest load reports (`DPRank.load`), with their gangs' generations."""
+
+    def block_feed(self, since: int) -> BlockFeed:
+        """The caches' block deltas after feed number `since` (`BlockJournal.feed`)."""
 
 
 @dataclass
@@ -95,9 +100,11 @@ class _Route:
 
 
 class DeploymentClient:
-    def __init__(self, owner: DeploymentOwner, tokenizer: Tokenizer | None = None, name: str = "client"):
+    def __init__(self, owner: DeploymentOwner, tokenizer: Tokenizer | None = None, name: str = "client",
+                 routing: RoutingConfig | None = None):
         """Requests into `owner`'s deployment; `tokenizer` encodes text prompts; `name` prefixes request
-        ids and this client's consumer name at the ranks."""
+        ids and this client's consumer name at the ranks; `routing`: how to route (default: the
+        deployment's; `router.config` may be changed later)."""
         self.owner, self.tokenizer = owner, tokenizer
         self.name = f"{name}-{secrets.token_hex(4)}"
         view = owner.view()
@@ -107,8 +114,11 @@ class DeploymentClient:
                         for i in view.prefill}
         self.stores, self.rank_store = view.stores, view.rank_store
         self.dead_stores: dict[int, float] = {}  # store index -> when found dead (time.monotonic())
+        self.block_size = view.block_size
         self.router = RequestRouter([(n, r) for n, c in self.decode.items() for r in range(c.dep)],
-                             [(n, r) for n, c in self.prefill.items() for r in range(c.dep)])
+                                    [(n, r) for n, c in self.prefill.items() for r in range(c.dep)],
+                                    routing or RoutingConfig.from_dict(view.routing), len(view.stores), view.block_size)
+        self.router.rank_store = dict(view.rank_store)
         self._routes: dict[str, _Route] = {}  # requests in flight from this client
         self.replayed = 0  # requests replayed after their decode gang failed, so far
         self._lock = threading.Lock()  # the router and the routes; never held across a call
@@ -121,8 +131,11 @@ class DeploymentClient:
         """Take the owner's load reports; an instance reported with a gang newer than ours (restarted
         by another client or the owner) is taken up, so that it is routed to again."""
         loads = self.owner.loads()
+        feed = self.owner.block_feed(self.router.index.seq) if self.router.config.policy == "cache_aware" else None
         with self._lock:
             self.router.update(loads)
+            if feed is not None:
+                self.router.feed(feed)
         for (name, _), load in loads.items():
             client = self.decode.get(name) or self.prefill.get(name)
             if client is not None and load.generation > client.generation:
@@ -144,6 +157,8 @@ class DeploymentClient:
         if k is not None and k in self.dead_stores and time.monotonic() - self.dead_stores[k] > TIMEOUTS.store_retry_s:
             view = self.owner.view()
             self.stores, self.rank_store = view.stores, view.rank_store
+            with self._lock:
+                self.router.rank_store = dict(view.rank_store)
             del self.dead_stores[k]
             k = self.rank_store.get(decode_at)
         if k is None or k in self.dead_stores:
@@ -182,12 +197,14 @@ class DeploymentClient:
         # (but its last token) of several, which fork on the decode rank
         context = ids + resumed[next(iter(resumed))] if resumed is not None and len(resumed) == 1 else ids
         failed = {name for name, client in self.decode.items() if not client.serving}
+        keys = prefix_keys(context, self.block_size) if self.router.config.policy == "cache_aware" else []
         with self._lock:
-            # the state it will hold: the prompt once (choices share it), each choice's output
-            decode_at = route.decode = self.router.decode_rank(route.session, len(ids) + params.n * params.max_tokens,
-                                                               failed)
-            route.prefill = None
             prefill_down = self.router.prefill_down
+            # the state it will hold: the prompt once (choices share it), each choice's output
+            decode_at = route.decode = self.router.decode_rank(
+                route.session, len(ids) + params.n * params.max_tokens, failed, keys, len(context),
+                prefills=prefill_down or not self.prefill)
+            route.prefill = None
         if prefill_down:  # no prefill rank to push it: the decode rank prefills it now, not after a timeout
             self.decode[decode_at[0]].submit(ids, params, route.engine_id, rank=decode_at[1], resumed=resumed)
             return
@@ -196,8 +213,8 @@ class DeploymentClient:
         if reservation is not None and self.prefill:
             hit = self._lookup(decode_at, context)
             with self._lock:  # chosen once it is known to be needed, for what it will prefill
-                prefill_at = route.prefill = self.router.prefill_rank(route.session,
-                                                                      len(context) - (hit[0] if hit else 0))
+                prefill_at = route.prefill = self.router.prefill_rank(route.session, len(context), keys,
+                                                                      hit[0] if hit else 0)
             # a prefill instance found dead here restarts and takes it; if it cannot, the decode
             # rank's reservation expires and it prefills the request itself
             try:

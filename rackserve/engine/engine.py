@@ -120,6 +120,9 @@ class Engine:
         if push_to is not None:  # the choices fork on the decode rank
             req.forks = []
         req.push_to = push_to
+        if cached is not None and self.cache.cached_tokens(req.token_ids) >= cached[0]:
+            self.kv.stats.pulls_local += 1  # this rank's own cache holds as much: no READ to wait for
+            cached = None
         if cached is None or not self.kv.pull(req, *cached):
             self.scheduler.add(req)
         return req
@@ -314,12 +317,14 @@ class Engine:
     def load(self) -> RankLoad:
         """What a router weighs (`rackserve.cluster.request_router`): requests held (running, waiting, and
         state on its way in), tokens of state they hold or will (prompt + output so far, and a pushed
-        request's prompt), and prompt tokens still to prefill here."""
+        request's prompt), prompt tokens still to prefill here, and the blocks its prefix cache has room for
+        (its blocks stored and evicted are `cache.events`)."""
         queued = [*self.scheduler.running, *self.scheduler.waiting]
         incoming = list(self.kv.incoming.values()) if self.kv is not None else []
         return RankLoad(requests=len(queued) + len(incoming),
                         tokens=sum(len(r.token_ids) for r in queued) + sum(i.request.num_given for i in incoming),
-                        prefill_tokens=sum(max(0, r.num_given - r.num_computed) for r in queued))
+                        prefill_tokens=sum(max(0, r.num_given - r.num_computed) for r in queued),
+                        cache_blocks=self.cache.num_pages)
 
     def stats(self) -> dict:
         """Counters: prefix-cache hits and skipped tokens, evictions, preemptions, prompt (and resumed)

@@ -50,6 +50,7 @@ class KVStats:
     pulled: int = 0  # cached prefixes read from the KV store
     pulled_tokens: int = 0
     pull_failures: int = 0  # reads that failed: the request is prefilled from scratch
+    pulls_local: int = 0  # store hits not read: this rank's own cache held as much
     puts: int = 0  # prefixes written to the KV store
     bytes_in: int = 0
     bytes_out: int = 0

@@ -18,6 +18,8 @@ owns what:
   written from the token ids), an approximation of the exact state that DeepSeek serves with.
 * Pages are reference-counted (holding requests + 1 for the cache); a cached block nobody holds is
   evictable, least recently used first, when a request needs memory.
+* Every block stored and evicted is logged (`events`, a `BlockLog`), for routers that route by
+  what each cache holds (`rackserve.cluster.prefix_index`).
 * `fork(handle)` gives a new request a copy of a running one's state, copy-on-write: the slot is
   copied, the full pages shared, only a partly filled last page copied (the choices of one prompt,
   `SamplingParams.n`).
@@ -25,14 +27,13 @@ owns what:
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from rackserve.engine.block_events import BlockLog, chain_hash
 from rackserve.models import new_state
 from rackserve.models.interface import ModelSpec
 from rackserve.models.state import RequestState, StateBlob
@@ -59,11 +60,6 @@ class CacheStats:
     replayed_tokens: int = 0  # cached tokens recomputed to rebuild windows (bounded replay)
     evictions: int = 0
     snapshots: int = 0
-
-
-def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
-    """The hash of a block: its tokens chained to the hash of everything before it."""
-    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
 class StateCache:
@@ -97,6 +93,7 @@ class StateCache:
         self._blocks: dict[bytes, _Block] = {}
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refs == 1 (cache only), oldest first
         self._num_snapshots = 0
+        self.events = BlockLog(self._blocks.keys)
         # called before this cache, or a caller outside the forward (`KVPort`), reads or writes a
         # slot's state: with async scheduling, waits for the step in flight, which may still write it
         self.fence: Callable[[], None] = lambda: None
@@ -140,7 +137,7 @@ class StateCache:
         if self.prefix_caching and token_ids:
             self.stats.lookups += 1
             chain, best = self._lookup(token_ids[:-1])
-            use = len(chain) - 1 if self.state.replay_window else best
+            use = self._usable(chain, best)
             if use >= 0:
                 for h in chain[: use + 1]:
                     block = self._blocks[h]
@@ -243,6 +240,7 @@ class StateCache:
             if h not in self._blocks:
                 self._blocks[h] = _Block(page=handle.pages[i])
                 self._ref_page(handle.pages[i])
+                self.events.stored(h)
         # a replayed prefix (bounded replay) passes boundaries whose blocks are cached already
         if full and handle.num_tokens == full * b and full == len(handle.block_hashes):
             block = self._blocks[handle.block_hashes[-1]]
@@ -265,6 +263,18 @@ class StateCache:
             if block is not None and block.snapshot is not None:
                 return RequestState(block.snapshot, handle.pages[: i + 1], (i + 1) * self.block_size)
         return None
+
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        """The prompt tokens of `token_ids` that `allocate` would take from the cache now (its last
+        token is always computed), replayed ones included; nothing is taken or touched."""
+        if not self.prefix_caching or not token_ids:
+            return 0
+        return (self._usable(*self._lookup(token_ids[:-1])) + 1) * self.block_size
+
+    def _usable(self, chain: list[bytes], best: int) -> int:
+        """Of a `_lookup`'s chain, the index of the last block a request can start after (-1: none):
+        any cached block under bounded replay, else the last with a snapshot."""
+        return len(chain) - 1 if self.state.replay_window else best
 
     def _lookup(self, token_ids: list[int]) -> tuple[list[bytes], int]:
         """Hashes of the cached full blocks of `token_ids`, and the index of the last one with a snapshot."""
@@ -300,6 +310,7 @@ class StateCache:
             return False
         h, _ = self._evictable.popitem(last=False)
         block = self._blocks.pop(h)
+        self.events.removed(h)
         if block.snapshot is not None:
             self._drop_snapshot(block)
         self._unref_page(block.page)

@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
 from rackserve.cluster.deployment_client import DeploymentClient
+from rackserve.cluster.request_router import RoutingConfig
 from rackserve.cluster.faults import InstanceError
 from rackserve.engine import RequestOutput
 from rackserve.engine.grammar import GrammarError, Grammars, GrammarSpec
@@ -200,7 +201,8 @@ class OpenAIServer:
         path = resolve(self.config.model) if self.config.model in BUILT_IN else info.path
         self.tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         self.family = family_of(read_config_json(path)).model_type
-        self.deployment = DeploymentClient(RemoteDataPlane(self.plane), self.tokenizer, name="ingress")
+        self.deployment = DeploymentClient(RemoteDataPlane(self.plane), self.tokenizer, name="ingress",
+                                           routing=RoutingConfig.from_dict(self.config.routing))
         # compiles each request's grammar before it is routed, so one that cannot compile is a 400 before
         # anything runs (the rank compiles it again: a millisecond, then cached there too)
         self.grammars = Grammars(self.tokenizer.to_json(), self.vocab_size, self.tokenizer.eos_id) \

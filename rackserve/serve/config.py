@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from rackserve.cluster.request_router import RoutingConfig
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.placement.planner import RANK_PROCESS_BYTES, HostDemand
 
@@ -14,7 +15,7 @@ BUILDER = "rackserve.serve.app:build"
 INGRESS_KINDS = ("proxy", "direct")  # how HTTP reaches the replicas: see `rackserve.serve.ingress`
 # settings of the HTTP tier alone: changing them restarts ingress replicas, never the engines
 INGRESS_FIELDS = ("served_model_name", "host", "port", "ingress", "api_key", "max_inflight", "num_ingress_replicas",
-                  "ingress_resources", "drain_timeout_s")
+                  "ingress_resources", "drain_timeout_s", "routing")
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,10 @@ class ServeConfig:
     replica's HTTP connections die with its node, while the engines' requests are replayed;
     drain_timeout_s (s): how long `rackserve serve`, told to stop (SIGTERM, Ctrl-C), lets the requests in
     progress finish while new ones get 503 + Retry-After; what still runs then is ended with an error;
-    timeout (s): a gang member silent this long fails its instance."""
+    timeout (s): a gang member silent this long fails its instance;
+    routing: how the ingress replicas route requests (`rackserve.cluster.request_router.RoutingConfig`'s
+    fields: policy "cache_aware" | "session" | "least_loaded" and the cost's weights; its
+    index_entries bounds the data plane's block index from the data plane's next start)."""
 
     model: str = "tiny"
     served_model_name: str | None = None
@@ -62,8 +66,10 @@ class ServeConfig:
     ingress_resources: dict | None = None
     drain_timeout_s: float = 30.0
     timeout: float = 30.0
+    routing: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        RoutingConfig.from_dict(self.routing)  # refused here, naming the setting, not in a replica
         if isinstance(self.kv_stores, str) != (self.topology is not None):
             raise ConfigError(f"kv_stores={self.kv_stores!r}: give a number without a topology, and a layout "
                               "('per_tray', 'per_rack' or 'none') with one")

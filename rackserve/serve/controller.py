@@ -29,6 +29,7 @@ import time
 import ray
 
 from rackserve.cluster.deployment import Deployment
+from rackserve.cluster.request_router import RoutingConfig
 from rackserve.cluster.faults import diagnose
 from rackserve.config import EngineConfig
 from rackserve.messages import Inflight, ModelInfo
@@ -41,7 +42,7 @@ from rackserve.timeouts import TIMEOUTS
 
 # what a `DeploymentClient` asks of its owner (`DeploymentOwner`): the data plane answers them for every
 # ingress replica, from its `Deployment`
-OWNER_CALLS = ("view", "members_of", "gang_failed", "gang_failure", "loads")
+OWNER_CALLS = ("view", "members_of", "gang_failed", "gang_failure", "loads", "block_feed")
 HEAD_NODE = "node:__internal_head__"  # the resource only the head node has (Ray's)
 NAMESPACE = "rackserve"  # the data planes' Ray namespace, whatever namespace an ingress replica runs in
 
@@ -63,7 +64,7 @@ class Controller:
                 store_memory_mb=config.store_memory_mb, timeout=config.timeout,
                 decode_redundant_slots=config.decode_redundant_slots, plan=self.plan, placement_groups=self.groups,
                 bundle_resources=config.bundle_resources, prefill_engine_kwargs=config.prefill_engine,
-                decode_engine_kwargs=config.decode_engine)
+                decode_engine_kwargs=config.decode_engine, routing=RoutingConfig.from_dict(config.routing))
         except BaseException:
             if self.groups:
                 remove(self.groups)  # a data plane that did not start reserves nothing
