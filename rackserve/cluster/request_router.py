@@ -123,7 +123,7 @@ class RequestRouter:
         if self.config.policy == "cache_aware" and keys:
             depth = self.index.index.match(list(keys))
             if prefills:
-                cost = self._costs(ranks, depth, prompt_tokens, 0, "decode")
+                cost, _ = self._costs(ranks, depth, prompt_tokens, 0, "decode")
             else:  # P/D: what the chosen rank's store holds, or the best prefill cache, is not prefilled
                 best = max((depth[self._cache[p]] for p in self._usable(self.prefill)), default=0) * self.block_size
                 c = self.config
@@ -139,10 +139,10 @@ class RequestRouter:
         if not self.prefill:
             return None
         ranks = self._usable(self.prefill)
-        cost = None
         if self.config.policy == "cache_aware" and keys:
-            cost = self._costs(ranks, self.index.index.match(list(keys)), prompt_tokens, store_hit, "prefill")
-        return self._pick("prefill", ranks, session, prompt_tokens - store_hit, cost)
+            cost, new = self._costs(ranks, self.index.index.match(list(keys)), prompt_tokens, store_hit, "prefill")
+            return self._pick("prefill", ranks, session, new, cost)
+        return self._pick("prefill", ranks, session, prompt_tokens - store_hit, None)
 
     @property
     def prefill_down(self) -> bool:
@@ -172,17 +172,19 @@ class RequestRouter:
         return len(self._reported) + len(self._sent)
 
     def _costs(self, ranks: list[RankKey], depth: list[int], prompt_tokens: int, store_hit: int,
-               role: str) -> dict[RankKey, float]:
+               role: str) -> tuple[dict[RankKey, float], dict[RankKey, int]]:
         """The module docstring's cost of each of `ranks` prefilling a prompt whose blocks each cache
-        holds `depth` of, `store_hit` tokens of it read from a KV store besides."""
+        holds `depth` of, `store_hit` tokens of it read from a KV store besides; and the tokens each
+        would prefill (its load, if chosen)."""
         c = self.config
-        out = {}
+        cost, new = {}, {}
         for r in ranks:
             saved = self._tokens(max(depth[self._cache[r]] * self.block_size, store_hit,
                                      self._store(r, depth) if role == "decode" else 0), prompt_tokens)
-            out[r] = ((prompt_tokens - saved) * (c.prefill_weight + c.memory_weight * self.pressure(r, ranks))
-                      + c.load_weight * self.load(role, r))
-        return out
+            new[r] = prompt_tokens - saved
+            cost[r] = (new[r] * (c.prefill_weight + c.memory_weight * self.pressure(r, ranks))
+                       + c.load_weight * self.load(role, r))
+        return cost, new
 
     def _store(self, rank: RankKey, depth: list[int]) -> int:
         """Tokens of the prompt the KV store `rank` writes to holds."""
@@ -200,8 +202,10 @@ class RequestRouter:
         up = [rank for rank in ranks if rank[0] not in avoid] or ranks
         return [rank for rank in up if rank in self._reported] or up
 
-    def _pick(self, role: str, ranks: list[RankKey], session: str | None, tokens: int,
+    def _pick(self, role: str, ranks: list[RankKey], session: str | None, tokens: int | dict[RankKey, int],
               cost: dict[RankKey, float] | None) -> RankKey:
+        """The rank of `ranks` to take a request of `tokens` load (per rank, if it differs) at `cost`
+        (None: by the policy's loads and sessions alone), counted as sent there."""
         loads = {rank: self.load(role, rank) for rank in ranks}
         policy = self.config.policy
         if cost is None and policy != "session":  # nothing cached to weigh: the least loaded
@@ -215,7 +219,8 @@ class RequestRouter:
             bound = (1 + self.config.slack) * sum(loads.values()) / len(ranks) + tokens
             order = sorted(ranks, key=lambda rank: _weight(session, rank), reverse=True)
             chosen = next(rank for rank in order if loads[rank] <= bound)
-        self._sent[(role, chosen)] = self._sent.get((role, chosen), 0) + tokens
+        sent = tokens[chosen] if isinstance(tokens, dict) else tokens
+        self._sent[(role, chosen)] = self._sent.get((role, chosen), 0) + sent
         return chosen
 
 
