@@ -64,7 +64,7 @@ class RoutingConfig:
 
     policy: str = "cache_aware"
     prefill_weight: float = 1.0
-    memory_weight: float = 2.0
+    memory_weight: float = 4.0
     load_weight: float = 1.0
     slack: float = 0.5
     index_entries: int = 1 << 19
