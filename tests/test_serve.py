@@ -33,7 +33,7 @@ def server(ray_cluster, tiny_checkpoint):
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     settings = {"model": str(tiny_checkpoint), "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "1xDEP1",
-                "kv_stores": 1, "api_key": KEY, "max_inflight": 128, "store_memory_mb": 16,
+                "kv_stores": 1, "api_key": KEY, "max_inflight": 128, "store_memory_mb": 16, "store_disk_mb": 8,
                 "engine": {"max_num_seqs": 32, "max_num_batched_tokens": 256, "state_memory_mb": 32, "kv_pool_mb": 8}}
     serve.run(build(settings), name="rackserve-test", route_prefix="/")
     ingress.wait_until_serving(f"http://127.0.0.1:{port}")
@@ -285,6 +285,23 @@ def state_in_use(server: str, role: str = "decode") -> float:
     """State memory the `role` ranks' requests hold (the prefix cache's share not counted)."""
     text = httpx.get(f"{server}/metrics", timeout=60).text
     return sum(float(v) for v in re.findall(rf'^rackserve_state_bytes_in_use\{{role="{role}"\}} (\S+)$', text, re.M))
+
+
+@pytest.mark.slow
+def test_the_metrics_report_the_kv_store_per_tier(server):
+    body = {"model": "tiny", "prompt": PROMPT * 12, "max_tokens": 2, "temperature": 0}
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        assert http.post("/v1/completions", json=body).status_code == 200
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the store is looked up for the prompt before its prefill
+            text = http.get("/metrics").text
+            tiers = {(tier, kind): float(v) for kind, tier, v in
+                     re.findall(r'^rackserve_kv_store\{kind="(\w+)",tier="(\w+)"\} (\S+)$', text, re.M)}
+            if tiers.get(("host", "lookup_tokens"), 0) > 0:
+                break
+            time.sleep(0.2)
+    assert tiers[("host", "bytes_total")] > 0 and tiers[("disk", "bytes_total")] == 8 << 20
+    assert tiers[("disk", "degraded")] == 0 and tiers[("host", "lookup_tokens")] >= tiers[("host", "hit_tokens")]
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""`KVStore`: a host-memory prefix cache actor (one per tray or node), a thin actor over `PrefixStore`.
+"""`KVStore`: a host-memory prefix cache actor (one per tray or node), a thin actor over `PrefixStore`,
+with a local-disk tier below it when given one.
 
 A background thread drives the store's NIXL agent (PUTs arriving, pinned reads released), polling
 every millisecond while there is traffic and backing off to `TIMEOUTS.store_idle_poll_s` when there is none, so an
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,16 +27,20 @@ from rackserve.transfer.kv_agent import KVAgent, RemoteRegion
 
 class KVStore:
     def __init__(self, model: str = "tiny", memory_mb: float = 256.0, pool_mb: float = 64.0, inbox_mb: float = 4.0,
-                 engine_kwargs: dict | None = None, name: str = "kvstore"):
+                 engine_kwargs: dict | None = None, name: str = "kvstore", disk_mb: float = 0.0,
+                 disk_path: str | None = None):
         """`memory_mb` of cached prefixes; `pool_mb` of NIXL-registered memory for the writers'
         inboxes (`inbox_mb` each) and pinned reads; `engine_kwargs`: the ranks' (for the state layout:
-        block size, and the MTP layer's state with speculative decoding)."""
+        block size, and the MTP layer's state with speculative decoding); `disk_mb` of blocks evicted
+        from memory kept on local disk, under `disk_path`/`name` (default: the system's temporary
+        directory's rackserve-kv/), none at 0."""
         config = read_config(resolve(model))
         ranks = EngineConfig(**(engine_kwargs or {})).resolve(config)
         agent = KVAgent(f"{name}-{secrets.token_hex(4)}", int(pool_mb * 2**20))
         self.store = PrefixStore(config, ranks.block_size, agent, memory_mb, int(inbox_mb * 2**20),
                                  draft_layers=int(ranks.speculative_tokens > 0), dtype=getattr(torch, ranks.dtype),
-                                 state_dtype=ranks.state_dtype)
+                                 state_dtype=ranks.state_dtype, disk_bytes=int(disk_mb * 2**20),
+                                 disk_path=str(Path(disk_path or Path(tempfile.gettempdir()) / "rackserve-kv") / name))
         self._lock = threading.Lock()
         self._busy_until = 0.0
         threading.Thread(target=self._poll_loop, daemon=True, name="kv-store-poll").start()
@@ -68,11 +75,18 @@ class KVStore:
         """The blocks this store cached and evicted from event `since` on (`BlockLog.since`)."""
         return self.store.cache.events.since(since)
 
+    def close(self) -> None:
+        """Remove the disk tier's files (before the store is killed)."""
+        with self._lock:
+            self.store.close()
+
     def stats(self) -> dict:
         with self._lock:
-            cache = self.store.cache
+            cache, disk = self.store.cache, self.store.disk
+            tier = {f"disk_{k}": v for k, v in vars(disk.stats).items()} | {"disk_bytes_total": disk.capacity_bytes} \
+                if disk is not None else {}
             return {**vars(self.store.stats), "bytes_in_use": cache.bytes_in_use, "bytes_total": cache.bytes_total,
-                    "evictions": cache.stats.evictions, "pid": os.getpid()}
+                    "evictions": cache.stats.evictions, **tier, "pid": os.getpid()}
 
     def _poll_loop(self) -> None:
         while True:

@@ -110,7 +110,7 @@ class Deployment:
                  timeout: float = 30.0, decode_redundant_slots: int = 0, plan: Plan | None = None,
                  placement_groups: dict | None = None, bundle_resources: dict[str, float] | None = None,
                  prefill_engine_kwargs: dict | None = None, decode_engine_kwargs: dict | None = None,
-                 routing: RoutingConfig | None = None):
+                 routing: RoutingConfig | None = None, store_disk_mb: float = 0.0, store_disk_path: str | None = None):
         """`prefill` / `decode`: instance shapes as the planner writes them ("2xDEP2", "DEP4",
         "AFD2+2"); `kv_stores`: KV-store actors (0: none); `engine_kwargs`: `EngineConfig` fields of
         every rank, with `prefill_engine_kwargs` / `decode_engine_kwargs` on top for one role (the
@@ -121,7 +121,8 @@ class Deployment:
         and `kv_stores` are then the plan's too. An instance whose group loses a node is re-planned
         onto free GPUs (`_replan`): the deployment then holds its new group (`placement_groups`).
         `routing`: how clients route requests (`RoutingConfig`; its `index_entries` bounds the owner's
-        block index too)."""
+        block index too). `store_disk_mb`: each KV store's local-disk tier (`DiskTier`) under
+        `store_disk_path` (default: the temporary directory of the store's node), none at 0."""
         groups = [InstanceGroup.parse(prefill, "prefill"), InstanceGroup.parse(decode, "decode")]
         if plan is None and (groups[0].count < 1 or groups[1].count < 1):
             raise ConfigError(f"prefill={prefill!r}, decode={decode!r}: a deployment needs at least one of each")
@@ -143,7 +144,8 @@ class Deployment:
         def new_store(i: int, options: dict):
             options = {"num_cpus": 0, "max_concurrency": 8, **options}
             return ray.remote(KVStore).options(**options).remote(self.path, store_memory_mb,
-                                                                 engine_kwargs=store_kwargs, name=f"kvstore{i}-{tag}")
+                                                                 engine_kwargs=store_kwargs, name=f"kvstore{i}-{tag}",
+                                                                 disk_mb=store_disk_mb, disk_path=store_disk_path)
 
         self.plan, self.placement_groups = plan, dict(placement_groups or {})
         self._bundle_resources = bundle_resources
@@ -469,5 +471,7 @@ class Deployment:
         self.client.close()
         for inst in self.prefill + self.decode:
             inst.shutdown()
+        closing = [store.close.remote() for store in self.stores]  # a disk tier's files go with it
+        ray.wait(closing, num_returns=len(closing), timeout=10)
         for store in self.stores:
             ray.kill(store)

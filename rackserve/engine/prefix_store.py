@@ -10,6 +10,8 @@ budget) in host memory behind a `KVTransport` (a `KVAgent` in the actor):
 * GET: `lookup(token_ids)` exports the longest cached prefix (ending in a snapshot) into a pinned
   range and returns where it is; the reader READs it and sends `Release`. Pins expire after
   `pin_ttl_s` in case a reader dies.
+* With `disk_bytes`, blocks evicted from host memory go to a local-disk tier (`DiskTier`, under
+  `disk_path`) and a lookup reaching one reads it back into host memory first.
 
 The notifications are `rackserve.transfer.messages`; malformed or unexpected ones are logged and dropped.
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rackserve.engine.disk_tier import DiskTier
 from rackserve.engine.state_cache import StateCache
 from rackserve.models.interface import ModelSpec
 from rackserve.transfer.messages import Freed, Put, Release, receive, send
@@ -37,19 +40,23 @@ class StoreStats:
     puts: int = 0  # prefixes written in
     put_tokens: int = 0
     lookups: int = 0
+    lookup_tokens: int = 0  # prompt tokens asked for
     hits: int = 0
     hit_tokens: int = 0
+    disk_hit_tokens: int = 0  # of `hit_tokens`, in blocks read back from the disk tier for the lookup
     pinned: int = 0  # lookup results waiting to be read now
 
 
 class PrefixStore:
     def __init__(self, config: ModelSpec, block_size: int, agent: KVTransport, memory_mb: float,
                  inbox_bytes: int, snapshot_share: float = 0.25, pin_ttl_s: float = 30.0, draft_layers: int = 0,
-                 dtype: torch.dtype = torch.float32, state_dtype: str = "auto"):
+                 dtype: torch.dtype = torch.float32, state_dtype: str = "auto", disk_bytes: int = 0,
+                 disk_path: str | None = None):
         """`memory_mb` of cached state (blocks and snapshots; `snapshot_share` of it at most for
         snapshots); the agent's pool holds the inboxes (`inbox_bytes` per writer) and pinned reads;
         `draft_layers`: 1 when the writers' state has the draft model's (speculative decoding); `dtype` and
-        `state_dtype`: the writers' (the store holds their bytes as they are)."""
+        `state_dtype`: the writers' (the store holds their bytes as they are); `disk_bytes` of a disk
+        tier in the directory `disk_path` (this store's alone: it is emptied), none at 0."""
         budget = int(memory_mb * 2**20)
         layout = dict(dtype=dtype, draft_layers=draft_layers, state_dtype=state_dtype)
         probe = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=0, device="meta", **layout)
@@ -57,6 +64,11 @@ class PrefixStore:
         slot_bytes = probe.state.slot_bytes
         snapshots = max(1, int(budget * snapshot_share) // slot_bytes if slot_bytes else probe.num_pages)
         self.cache = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=snapshots, **layout)
+        self.disk = None
+        if disk_bytes:
+            if not disk_path:
+                raise ValueError("a KV store's disk tier needs a directory (disk_path)")
+            self.disk = self.cache.lower = DiskTier(disk_path, disk_bytes, on_removed=self.cache.events.removed)
         self.agent, self.inbox_bytes, self.pin_ttl_s = agent, inbox_bytes, pin_ttl_s
         self._inboxes: dict[str, int] = {}  # writer agent name -> offset of its inbox in the pool
         # a lookup result's region address (what its reader's Release names) -> (pool offset, expiry: time.monotonic())
@@ -86,9 +98,12 @@ class PrefixStore:
         """The longest cached prefix of `token_ids` (at least one token is left to compute): its
         length in tokens and where to READ its state; None on a miss or when memory is short."""
         self.stats.lookups += 1
+        self.stats.lookup_tokens += len(token_ids)
+        promoted = self.cache.stats.promoted
         handle = self.cache.allocate(token_ids)
         if handle is None:
             return None
+        promoted = self.cache.stats.promoted - promoted
         try:
             n = handle.num_tokens
             offset = self.agent.alloc(self.cache.state.blob_nbytes(n)) if n else None
@@ -101,6 +116,7 @@ class PrefixStore:
         self._pins[region.addr] = (offset, time.monotonic() + self.pin_ttl_s)
         self.stats.hits += 1
         self.stats.hit_tokens += n
+        self.stats.disk_hit_tokens += min(n, promoted * self.cache.block_size)
         return n, region
 
     def poll(self) -> None:
@@ -136,6 +152,11 @@ class PrefixStore:
             self.stats.puts += 1
             self.stats.put_tokens += n
         self.cache.free(handle)
+
+    def close(self) -> None:
+        """Stop the disk tier's writer and remove its files."""
+        if self.disk is not None:
+            self.disk.close()
 
     def _unpin(self, addr: int) -> None:
         pin = self._pins.pop(addr, None)

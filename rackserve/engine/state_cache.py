@@ -20,6 +20,8 @@ owns what:
   evictable, least recently used first, when a request needs memory.
 * Every block stored and evicted is logged (`events`, a `BlockLog`), for routers that route by
   what each cache holds (`rackserve.cluster.prefix_index`).
+* A lower tier (`lower`, e.g. a KV store's `DiskTier`) takes the blocks evicted (a block there still
+  counts as held in `events`) and gives them back when a lookup's chain reaches one.
 * `fork(handle)` gives a new request a copy of a running one's state, copy-on-write: the slot is
   copied, the full pages shared, only a partly filled last page copied (the choices of one prompt,
   `SamplingParams.n`).
@@ -30,6 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -46,6 +49,22 @@ class CacheHandle(RequestState):
     block_hashes: list[bytes] = field(default_factory=list)
 
 
+class LowerTier(Protocol):
+    """Where a cache's evicted blocks go, and come back from (`rackserve.engine.disk_tier.DiskTier`)."""
+
+    def spill(self, block_hash: bytes, data: torch.Tensor, snapshot: bool) -> bool:
+        """Keep an evicted block (`PagedState.block_bytes`); False if it is dropped instead."""
+
+    def take(self, block_hash: bytes) -> tuple[torch.Tensor, bool] | None:
+        """A kept block's (bytes, snapshot), out of the tier; None if it holds none."""
+
+    def discard(self, hashes: list[bytes]) -> None:
+        """Forget blocks the cache stores again."""
+
+    def keys(self) -> list[bytes]:
+        """The blocks kept."""
+
+
 @dataclass
 class _Block:
     page: int
@@ -60,6 +79,7 @@ class CacheStats:
     replayed_tokens: int = 0  # cached tokens recomputed to rebuild windows (bounded replay)
     evictions: int = 0
     snapshots: int = 0
+    promoted: int = 0  # blocks a lookup took back from the lower tier
 
 
 class StateCache:
@@ -93,7 +113,8 @@ class StateCache:
         self._blocks: dict[bytes, _Block] = {}
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refs == 1 (cache only), oldest first
         self._num_snapshots = 0
-        self.events = BlockLog(self._blocks.keys)
+        self.lower: LowerTier | None = None
+        self.events = BlockLog(lambda: [*self._blocks, *(self.lower.keys() if self.lower else ())])
         # called before this cache, or a caller outside the forward (`KVPort`), reads or writes a
         # slot's state: with async scheduling, waits for the step in flight, which may still write it
         self.fence: Callable[[], None] = lambda: None
@@ -136,6 +157,8 @@ class StateCache:
         handle = CacheHandle(slot=slot)
         if self.prefix_caching and token_ids:
             self.stats.lookups += 1
+            if self.lower is not None:
+                self._promote(token_ids[:-1])
             chain, best = self._lookup(token_ids[:-1])
             use = self._usable(chain, best)
             if use >= 0:
@@ -207,7 +230,8 @@ class StateCache:
         """Release `handle`'s slot and pages; cached blocks stay (evictable) for later requests."""
         for page in handle.pages:
             self._unref_page(page)
-        for h in handle.block_hashes:
+        # the last block first: it is the older then, evicted before the blocks it needs to be of use
+        for h in reversed(handle.block_hashes):
             block = self._blocks.get(h)
             if block is not None and self._page_refs[block.page] == 1:
                 self._evictable[h] = None
@@ -241,6 +265,8 @@ class StateCache:
                 self._blocks[h] = _Block(page=handle.pages[i])
                 self._ref_page(handle.pages[i])
                 self.events.stored(h)
+                if self.lower is not None:
+                    self.lower.discard([h])
         # a replayed prefix (bounded replay) passes boundaries whose blocks are cached already
         if full and handle.num_tokens == full * b and full == len(handle.block_hashes):
             block = self._blocks[handle.block_hashes[-1]]
@@ -289,33 +315,88 @@ class StateCache:
                 best = i
         return chain, best
 
+    def _promote(self, token_ids: list[int]) -> None:
+        """Bring back from the lower tier the blocks of `token_ids` this cache lacks, up to the first
+        block neither holds; the blocks on the way become the most recently used, so that the room
+        made for the next is not taken from them."""
+        b, parent, chain = self.block_size, b"", set()
+        for i in range(len(token_ids) // b):
+            parent = chain_hash(parent, token_ids[i * b:(i + 1) * b])
+            chain.add(parent)
+            if parent in self._blocks:
+                if parent in self._evictable:
+                    self._evictable.move_to_end(parent)
+                continue
+            if not self._free_pages and not self._evict_one():
+                return
+            got = self.lower.take(parent)
+            if got is None:
+                return
+            data, snapshot = got
+            if snapshot and self._num_snapshots >= self.max_snapshots:
+                self._evict_snapshot(frozenset(chain))
+            slot = self._free_slots.pop() if snapshot and self._num_snapshots < self.max_snapshots \
+                and self._free_slots else None
+            page = self._free_pages.pop()
+            self._page_refs[page] = 1
+            self.fence()
+            self.state.write_block(data, page, slot)
+            self._blocks[parent] = _Block(page=page, snapshot=slot)
+            self._evictable[parent] = None
+            self._num_snapshots += slot is not None
+            self.events.stored(parent)
+            self.stats.promoted += 1
+
     # ---- internals ---------------------------------------------------------------------------------
     def _take_slot(self) -> int | None:
         if not self._free_slots:
             self._evict_snapshot()
         return self._free_slots.pop() if self._free_slots else None
 
-    def _evict_snapshot(self) -> None:
-        """Free the least recently used evictable snapshot's slot (requests come before snapshots)."""
+    def _evict_snapshot(self, chain: frozenset[bytes] = frozenset()) -> None:
+        """Free the least recently used evictable snapshot's slot (requests come before snapshots).
+        With a lower tier its block goes down with it: a hit there needs both. The blocks of `chain`
+        (a lookup's, being read back) keep theirs unless no other is left; then one loses only its
+        snapshot (a later block's is what the lookup needs)."""
+        fallback = None
         for h in self._evictable:
             block = self._blocks[h]
-            if block.snapshot is not None:
-                self._drop_snapshot(block)
-                self.stats.evictions += 1
+            if block.snapshot is None:
+                continue
+            if h in chain:
+                fallback = fallback or block
+            elif self.lower is not None:
+                del self._evictable[h]
+                self._evict(h)
                 return
+            else:
+                fallback = block
+                break
+        if fallback is not None:
+            self._drop_snapshot(fallback)
+            self.stats.evictions += 1
 
     def _evict_one(self) -> bool:
         """Drop the least recently used block nobody holds; False if there is none."""
         if not self._evictable:
             return False
         h, _ = self._evictable.popitem(last=False)
+        self._evict(h)
+        return True
+
+    def _evict(self, h: bytes) -> None:
+        """Drop cached block `h` (out of `_evictable` already): to the lower tier if there is one."""
         block = self._blocks.pop(h)
-        self.events.removed(h)
+        kept = False
+        if self.lower is not None:
+            self.fence()
+            kept = self.lower.spill(h, self.state.block_bytes(block.page, block.snapshot), block.snapshot is not None)
+        if not kept:
+            self.events.removed(h)
         if block.snapshot is not None:
             self._drop_snapshot(block)
         self._unref_page(block.page)
         self.stats.evictions += 1
-        return True
 
     def _drop_snapshot(self, block: _Block) -> None:
         self._free_slots.append(block.snapshot)

@@ -124,6 +124,25 @@ class PagedState:
         for t in self.pieces()[1]:
             t[dst].copy_(t[src])
 
+    # ---- one cached block as bytes (a lower cache tier: see rackserve.engine.disk_tier) ---------------------
+    def block_bytes(self, page: int, slot: int | None) -> torch.Tensor:
+        """Page `page`'s rows, after slot `slot`'s (its block's snapshot) when given, per tensor in
+        `pieces` order: uint8 `[page_bytes]` or `[slot_bytes + page_bytes]`, a copy."""
+        slot_t, page_t = self.pieces()
+        rows = ([t[slot] for t in slot_t] if slot is not None else []) + [t[page] for t in page_t]
+        return torch.cat([row.reshape(-1).view(torch.uint8) for row in rows])
+
+    def write_block(self, data: torch.Tensor, page: int, slot: int | None) -> None:
+        """Write `block_bytes`' `data` back into page `page` and, when `slot` is given, slot `slot`;
+        a snapshot's rows in `data` are skipped without a slot."""
+        slot_t, page_t = self.pieces()
+        offset = self.slot_bytes if slot is None and data.numel() > self.page_bytes else 0
+        rows = ([t[slot] for t in slot_t] if slot is not None else []) + [t[page] for t in page_t]
+        for row in rows:
+            nbytes = row.numel() * row.element_size()
+            row.copy_(data[offset:offset + nbytes].view(row.dtype).view(row.shape))
+            offset += nbytes
+
     # ---- transfer as bytes (a registered pool range: see rackserve.transfer.kv_agent) ----------------------
     def blob_nbytes(self, num_tokens: int) -> int:
         """Bytes of the exported state of a request holding `num_tokens` tokens."""

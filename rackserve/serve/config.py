@@ -41,6 +41,9 @@ class ServeConfig:
     drain_timeout_s (s): how long `rackserve serve`, told to stop (SIGTERM, Ctrl-C), lets the requests in
     progress finish while new ones get 503 + Retry-After; what still runs then is ended with an error;
     timeout (s): a gang member silent this long fails its instance;
+    store_memory_mb: each KV store's host memory for cached prefixes; store_disk_mb: its local-disk
+    tier below that (blocks evicted from memory, read back on a hit; 0: none), in store_disk_path on
+    the store's node (default: its temporary directory);
     routing: how the ingress replicas route requests (`rackserve.cluster.request_router.RoutingConfig`'s
     fields: policy "cache_aware" | "session" | "least_loaded" and the cost's weights; its
     index_entries bounds the data plane's block index from the data plane's next start)."""
@@ -57,6 +60,8 @@ class ServeConfig:
     topology: str | None = None
     bundle_resources: dict | None = None
     store_memory_mb: float = 256.0
+    store_disk_mb: float = 0.0
+    store_disk_path: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     ingress: str = "proxy"
@@ -85,6 +90,8 @@ class ServeConfig:
                               '≥ 0, e.g. {"ingress": 1}')
         if not isinstance(self.drain_timeout_s, (int, float)) or not self.drain_timeout_s >= 0:
             raise ConfigError(f"drain_timeout_s={self.drain_timeout_s!r} must be a number of seconds ≥ 0")
+        if not isinstance(self.store_disk_mb, (int, float)) or not self.store_disk_mb >= 0:
+            raise ConfigError(f"store_disk_mb={self.store_disk_mb!r} must be a number of MiB ≥ 0 (0: no disk tier)")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ConfigError(f"port={self.port!r} must be an integer in [0, 65535]")
         if self.ingress not in INGRESS_KINDS:

@@ -64,7 +64,8 @@ class Controller:
                 store_memory_mb=config.store_memory_mb, timeout=config.timeout,
                 decode_redundant_slots=config.decode_redundant_slots, plan=self.plan, placement_groups=self.groups,
                 bundle_resources=config.bundle_resources, prefill_engine_kwargs=config.prefill_engine,
-                decode_engine_kwargs=config.decode_engine, routing=RoutingConfig.from_dict(config.routing))
+                decode_engine_kwargs=config.decode_engine, routing=RoutingConfig.from_dict(config.routing),
+                store_disk_mb=config.store_disk_mb, store_disk_path=config.store_disk_path)
         except BaseException:
             if self.groups:
                 remove(self.groups)  # a data plane that did not start reserves nothing

@@ -40,6 +40,10 @@ class Metrics:
         self.recovery = Gauge("rackserve_recovery", "Faults and their mending: push_failure_rate and "
                               "recompute_rate over the last minute, kv_stores_dead, kv_stores_replaced, "
                               "gangs_restarting", ["kind"], registry=r)
+        self.store = Gauge("rackserve_kv_store", "KV stores summed, by tier (host memory, disk) and kind: "
+                           "lookup_tokens, hit_tokens (hit rate = hit_tokens / lookup_tokens), evictions, "
+                           "bytes_in_use, bytes_total; disk only: spills, dropped, read_errors, degraded (stores)",
+                           ["tier", "kind"], registry=r)
         self.replays = Gauge("rackserve_replayed_requests", "Requests replayed after their decode gang failed, "
                              "by this replica (a running total)", registry=r)
 
@@ -68,6 +72,26 @@ class Metrics:
             self.kv.labels(kind).set(value)
         for kind, value in stats.get("recovery", {}).items():
             self.recovery.labels(kind).set(value)
+        for tier, values in store_tiers([s for s in stats.get("kv_stores", []) if s]).items():
+            for kind, value in values.items():
+                self.store.labels(tier, kind).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def store_tiers(stores: list[dict]) -> dict[str, dict[str, float]]:
+    """The KV stores' stats (`KVStore.stats`) summed per tier: a hit's tokens count in the tier its
+    blocks were read from (a lookup that reads blocks back from disk counts them there)."""
+    def total(key: str) -> float:
+        return sum(s.get(key, 0) for s in stores)
+
+    disk_hits = total("disk_hit_tokens")
+    tiers = {"host": {"lookup_tokens": total("lookup_tokens"), "hit_tokens": total("hit_tokens") - disk_hits,
+                      "evictions": total("evictions"), "bytes_in_use": total("bytes_in_use"),
+                      "bytes_total": total("bytes_total")}}
+    if any("disk_bytes_total" in s for s in stores):
+        tiers["disk"] = {"lookup_tokens": total("lookup_tokens"), "hit_tokens": disk_hits,
+                         **{k: total(f"disk_{k}") for k in ("evictions", "bytes_in_use", "bytes_total", "spills",
+                                                            "dropped", "read_errors", "degraded")}}
+    return tiers
