@@ -13,7 +13,7 @@ import pytest
 
 from rackserve.bench import plot, workload
 from rackserve.bench.drivers import drive
-from rackserve.bench.metrics import Record, percentile, summarize, usd_per_m_tokens
+from rackserve.bench.metrics import Record, goodput, percentile, summarize, usd_per_m_tokens
 from rackserve.bench.runner import WorkloadSpec, levels
 from rackserve.bench.targets import TargetSpec
 
@@ -199,3 +199,11 @@ def test_agentic_sessions_over_http_hit_the_prefix_cache(server, tiny_checkpoint
     assert s.prompt_tokens >= 2 * (40 + 48)  # turn 1: 32 + 8; turn 2: that + the answer + 8
     assert s.cached_tokens >= 3 * 32 and 0 < s.cache_hit_rate < 1  # all but the first turn start from the cache
     assert (s.gpus, s.decode_gpus) == (2, 1)
+
+
+def test_goodput_counts_the_requests_within_both_objectives():
+    # TTFT ≤ 250 ms and TPOT ≤ 150 ms: the first (100 ms, 100 ms) only; the second's TPOT is 200 ms,
+    # the third's TTFT 300 ms; the failed one counts among the requests, never as good
+    assert goodput(RECORDS, ttft_ms=250, tpot_ms=150) == (pytest.approx(1 / 2.0), 1 / 4)
+    # a one-token request meets any TPOT objective
+    assert goodput(RECORDS, ttft_ms=301, tpot_ms=50)[1] == 1 / 4

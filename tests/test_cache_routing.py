@@ -1,8 +1,9 @@
 """Cache-aware routing on a P/D deployment without session ids: two decode and two prefill ranks, a
 workload of conversations that share a 20-block tool prefix, routed by what the ranks' caches hold
-prefills at least 1.5x fewer tokens than least-loaded routing (about 2x on this workload; less when
-the turns' timing sends a conversation off its rank to balance load); and a second router following
-the same block journal makes the same choices.
+prefills at least 1.2x fewer tokens than least-loaded routing (1.4-1.8x here; 1.8-2.4x while a hit
+had to end at a snapshot, when least-loaded routing could not even reuse the tool prefix on a rank
+that held it; less when the turns' timing sends a conversation off its rank to balance load); and a
+second router following the same block journal makes the same choices.
 
 The deployment has no KV store, so that what the prefill ranks' own caches hold decides (a store
 holding the whole working set would give both policies the same hits). Each prefill rank's cache
@@ -90,7 +91,7 @@ def test_cache_aware_routing_prefills_far_fewer_tokens_than_least_loaded(ray_clu
         dep.client.router.config = RoutingConfig(policy="least_loaded")
         least = conversations(dep, seed=1)
         print(f"prompt tokens {total}: prefilled cache-aware {aware}, least-loaded {least} ({least / aware:.2f}x)")
-        assert 1.5 * aware <= least, (aware, least, total)
+        assert 1.2 * aware <= least, (aware, least, total)
 
         # a second router, built from the owner as an ingress replica's is, holds the same index and,
         # with the same loads, makes the same choices

@@ -1,9 +1,10 @@
-"""`rackserve bench run | sweep | plot`: the serving benchmark on the command line.
+"""`rackserve bench run | sweep | traces | plot`: the serving benchmark on the command line.
 
     rackserve bench run --config pd:1xDEP1:1xDEP1 --concurrency 16 --isl 128 --osl 32
     rackserve bench sweep --config pd:1xDEP1:1xDEP1 --config colocated:DEP1 --max-concurrency 64 --png-dir out
     rackserve bench sweep --workload agentic --turns 4 --prefix 1024 --think 1 --url http://127.0.0.1:8000 \\
         --config pd:1xDEP2:1xDEP2
+    rackserve bench traces --traces DIR --users 4      # agentic trace replay: routing and KV tiers compared
     rackserve bench plot out/results.json --png-dir out
 
 `run` and `sweep` start a local Ray (or join --address) and each configuration on it, driven
@@ -71,6 +72,12 @@ def add_parser(sub) -> None:
     sw.add_argument("--max-concurrency", type=int, default=64)
     sw.add_argument("--png-dir", help="also draw the curves (as `rackserve bench plot`) into this directory")
     sw.set_defaults(func=sweep)
+    tr = verbs.add_parser("traces", help="replay agentic traces (kv-cache-tester's format) comparing least-loaded, "
+                                         "session and cache-aware routing, host-only and host + disk KV stores")
+    from rackserve.bench import traces
+
+    traces.add_arguments(tr)
+    tr.set_defaults(func=replay_traces)
     pl = verbs.add_parser("plot", help="PNG curves from result files: throughput_vs_interactivity.png and "
                                        "decode_throughput_vs_batch.png, one line per configuration")
     pl.add_argument("results", nargs="+", help="JSON files written by bench run / sweep")
@@ -109,6 +116,14 @@ def sweep(args: argparse.Namespace) -> int:
         for path in curves.draw(doc["points"], args.png_dir, doc["workload"]):
             print(f"wrote {path}")
     script.headline({"bench": "harness", "results": args.out, "configs": runner.headline(points)})
+    return 0
+
+
+def replay_traces(args: argparse.Namespace) -> int:
+    """`bench traces`."""
+    from rackserve.bench import traces
+
+    traces.run(args)
     return 0
 
 

@@ -17,6 +17,8 @@ Definitions (times in seconds in, milliseconds out):
   as the public AgentX figures count them — a prefix-cache hit is served input;
 - output tokens/s per decode GPU: output tokens / duration / decode_gpus;
 - prefix-cache hit rate: cached prompt tokens / prompt tokens;
+- goodput: requests per second of the run that met both a TTFT and a TPOT objective (a request with
+  one output token meets any TPOT), and their share of the requests;
 - $ per million tokens: what `gpus` GPUs cost for `duration` at `price_per_gpu_hour`, over the
   total (resp. output) tokens, in millions.
 Percentiles interpolate linearly between order statistics (numpy's default; P50 is the median).
@@ -125,6 +127,14 @@ def summarize(records: list[Record], gpus: int, decode_gpus: int,
         # over every GPU, not the decode ones: the prefill GPUs are paid for too
         usd_per_m_output_tokens=None if price is None else usd_per_m_tokens(output * rate / gpus, price),
     )
+
+
+def goodput(records: list[Record], ttft_ms: float, tpot_ms: float) -> tuple[float, float]:
+    """(requests/s, share of all requests) of the `records` that succeeded within both objectives."""
+    ok = [r for r in records if r.error is None]
+    duration = max((r.t_last for r in ok), default=0.0) - min((r.t_send for r in ok), default=0.0)
+    good = sum(1e3 * r.ttft <= ttft_ms and (r.tpot is None or 1e3 * r.tpot <= tpot_ms) for r in ok)
+    return (good / duration if duration > 0 else 0.0), (good / len(records) if records else 0.0)
 
 
 def _per_user(tpot_s: float) -> float:

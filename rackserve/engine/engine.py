@@ -56,7 +56,7 @@ class Engine:
                                 prefix_caching=c.prefix_caching, max_snapshots=c.prefix_snapshots,
                                 dtype=model.dtype, device=model.device,
                                 draft_layers=int(c.speculative_tokens > 0), state_dtype=c.state_dtype,
-                                bounded_replay=c.bounded_replay)
+                                bounded_replay=c.bounded_replay, exact_rebuild=True)
         if self.cache.pages_for(c.max_model_len) > self.cache.num_pages:
             raise ValueError(
                 f"state_memory_mb={c.state_memory_mb} holds {self.cache.num_pages} pages of {c.block_size} tokens, "

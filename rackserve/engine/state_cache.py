@@ -12,7 +12,10 @@ owns what:
   also needs its slot's rows at the prefix's end (V4: window and carry): a **snapshot** of a slot,
   taken whenever a request's state sits exactly on a block boundary (the runner arranges that at
   the end of each prefill). A lookup therefore returns the longest chain of cached blocks that ends
-  in a block with a snapshot. With bounded replay (DeepSeek-V4.1, `PagedState.replay_window` W) every
+  in a block with a snapshot — or, with `exact_rebuild` (a cache whose owner runs the model), ends
+  at the chain's last block when that saves more: the request recomputes the last
+  `PagedState.rebuild_tokens` tokens before it over the cached pages (their entries kept, its windows
+  and carry rebuilt), which is exact (the slot's receptive field is that long). With bounded replay (DeepSeek-V4.1, `PagedState.replay_window` W) every
   cached block is a usable hit: without a snapshot at the hit's end h, the request recomputes its last
   min(W, h) tokens to rebuild the windows (their entries stay as cached, the Engram lookback is
   written from the token ids), an approximation of the exact state that DeepSeek serves with.
@@ -86,11 +89,12 @@ class StateCache:
     def __init__(self, config: ModelSpec, block_size: int, max_requests: int, budget_bytes: int,
                  prefix_caching: bool = True, max_snapshots: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", draft_layers: int = 0,
-                 state_dtype: str = "auto", bounded_replay: bool = False):
+                 state_dtype: str = "auto", bounded_replay: bool = False, exact_rebuild: bool = False):
         """Size the memory from `budget_bytes`: `max_requests + max_snapshots` slots, pages for the rest.
         `draft_layers`: 1 to hold the draft model's state too (speculative decoding); `state_dtype`: how
         the family stores what it may quantise (`EngineConfig.state_dtype`); `bounded_replay` as
-        `EngineConfig.bounded_replay`."""
+        `EngineConfig.bounded_replay`; `exact_rebuild`: hits may end at a block without a snapshot, whose
+        slot the request rebuilds (the owner runs the model; a KV store does not)."""
         max_snapshots = (max_requests if max_snapshots is None else max_snapshots) if prefix_caching else 0
         probe = new_state(config, 1, 1, block_size, dtype, "meta", draft_layers, state_dtype, bounded_replay)
         slots = max_requests + max_snapshots
@@ -106,6 +110,9 @@ class StateCache:
         self.state = new_state(config, slots, int(pages), block_size, dtype, device, draft_layers, state_dtype,
                                bounded_replay)
         self.block_size, self.max_snapshots, self.prefix_caching = block_size, max_snapshots, prefix_caching
+        # tokens a hit without a snapshot recomputes before its end: bounded replay's (approximate) or an
+        # exact rebuild's; 0: such a hit is not possible
+        self._replay_tokens = self.state.replay_window or (self.state.rebuild_tokens if exact_rebuild else 0)
         self.stats = CacheStats()
         self._free_slots = list(range(slots - 1, -1, -1))
         self._free_pages = list(range(int(pages) - 1, -1, -1))
@@ -174,8 +181,8 @@ class StateCache:
                 if snapshot is not None:
                     self.state.copy_slot(snapshot, slot)
                     handle.num_tokens = hit
-                else:  # bounded replay: rebuild the windows from the hit's last tokens
-                    start = hit - min(self.state.replay_window, hit)
+                else:  # bounded replay or an exact rebuild: the windows from the hit's last tokens
+                    start = hit - min(self._replay_tokens, hit)
                     self.state.prime(slot, token_ids, start)
                     handle.num_tokens = handle.window_from = start
                     handle.entries_until = hit
@@ -299,8 +306,13 @@ class StateCache:
 
     def _usable(self, chain: list[bytes], best: int) -> int:
         """Of a `_lookup`'s chain, the index of the last block a request can start after (-1: none):
-        any cached block under bounded replay, else the last with a snapshot."""
-        return len(chain) - 1 if self.state.replay_window else best
+        any cached block under bounded replay; else the last with a snapshot, or with an exact rebuild
+        the chain's last when rebuilding there recomputes fewer tokens than resuming at that snapshot."""
+        if self.state.replay_window:
+            return len(chain) - 1
+        if self._replay_tokens and len(chain) * self.block_size - self._replay_tokens > (best + 1) * self.block_size:
+            return len(chain) - 1
+        return best
 
     def _lookup(self, token_ids: list[int]) -> tuple[list[bytes], int]:
         """Hashes of the cached full blocks of `token_ids`, and the index of the last one with a snapshot."""

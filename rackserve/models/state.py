@@ -63,6 +63,9 @@ class PagedState:
     # the windows instead of reading a snapshot, and a prefill's layers from the last KV source on run
     # on each request's last `replay_window` tokens only; 0: every layer runs on every token (exact)
     replay_window: int = 0
+    # exact rebuild: replaying this many tokens before a cached block's end, over the cached pages,
+    # rebuilds the slot exactly without a snapshot (the slot's receptive field); 0: a hit needs a snapshot
+    rebuild_tokens: int = 0
 
     def pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The slot-indexed and the page-indexed tensors, in export order."""

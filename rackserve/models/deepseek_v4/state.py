@@ -209,6 +209,19 @@ class ModelState(LayeredState):
         self.uses_pages = any(e is not None for e in self.entries)
 
     @property
+    def rebuild_tokens(self) -> int:
+        """`PagedState.rebuild_tokens`: layer l's slot rows span the last max(window, its rings) positions, and
+        a replayed position's input to layer l is exact once l·(window − 1) positions before it were replayed
+        (each layer's window reaches that far back); rounded up to whole blocks. 0 with a drafter's
+        `hidden` streams, which this does not rebuild."""
+        if self.hidden is not None:
+            return 0
+        w = self.window
+        need = max(layer * (w - 1) + max(w, ring.shape[1] if ring is not None else 0)
+                   for layer, ring in enumerate(self.ring))
+        return -(-need // self.block_size) * self.block_size
+
+    @property
     def schemes(self) -> dict[str, Scheme]:
         """The compression scheme of each compressed layer kind of this state."""
         return {kind: Scheme(self.config.rate(kind), kind == CSA, ring_len(kind, self.config.rate(kind)))
