@@ -155,8 +155,8 @@ async def replay(driver, traces: list[Trace], users: int, content: Content, time
             prompt = content.prompt(trace, request)
             if prev is not None:
                 await asyncio.sleep(min(request.think_s, max_delay_s) * time_scale)
-                common = next((k for k, (a, b) in enumerate(zip(prev.hash_ids, request.hash_ids)) if a != b),
-                              min(len(prev.hash_ids), len(request.hash_ids)))
+                pairs = enumerate(zip(prev.hash_ids, request.hash_ids, strict=False))
+                common = next((k for k, (a, b) in pairs if a != b), min(len(prev.hash_ids), len(request.hash_ids)))
                 kept = len(history) if common >= prev.in_tokens // trace.block_size else common * trace.block_size
                 prompt = history[:kept] + prompt[kept:]
             record, answer = await driver.send(prompt, request.out_tokens, name)
@@ -284,7 +284,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--variants", default="all", help="comma-separated policy[+disk] (e.g. cache_aware,"
                                                       "cache_aware+disk), or all")
     ap.add_argument("--config", default="pd:2xDEP1:2xDEP1", help="pd:PREFILL:DECODE, with one KV store")
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--model", default="tiny", help='"tiny" or a checkpoint directory (with --url: what the endpoint '
+                                                   "serves, whose tokenizer extends the histories)")
     ap.add_argument("--engine", type=json.loads, default={"max_num_seqs": 8, "max_num_batched_tokens": 512,
                                                           "max_model_len": 4096, "kv_timeout_s": 120.0},
                     help="EngineConfig fields of every rank, as JSON")
@@ -317,9 +318,17 @@ def run(args) -> dict:
           f"{args.users} users, think times x {args.time_scale}")
     if args.url:
         from rackserve.bench.drivers import HTTPDriver
+        from rackserve.models import BUILT_IN, resolve
+        from rackserve.models.tokenizer import Tokenizer
+
+        # the answers come back as text: re-encoded with the model's tokenizer to extend the history
+        local = args.model in BUILT_IN or (Path(args.model) / "tokenizer.json").is_file()
+        if not local:
+            print(f"--model {args.model!r} is no checkpoint here: answers are not appended to the histories")
 
         async def remote() -> Result:
-            driver = HTTPDriver(args.url, args.model, api_key=args.api_key)
+            name = args.model if args.model in BUILT_IN or not local else Path(args.model).name  # as served
+            driver = HTTPDriver(args.url, name, Tokenizer(resolve(args.model)) if local else None, args.api_key)
             try:
                 done = await replay(driver, traces, args.users, Content(args.seed, args.warm_prefix_pct),
                                     args.time_scale, args.max_delay, args.max_context)

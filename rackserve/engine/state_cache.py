@@ -15,10 +15,11 @@ owns what:
   in a block with a snapshot — or, with `exact_rebuild` (a cache whose owner runs the model), ends
   at the chain's last block when that saves more: the request recomputes the last
   `PagedState.rebuild_tokens` tokens before it over the cached pages (their entries kept, its windows
-  and carry rebuilt), which is exact (the slot's receptive field is that long). With bounded replay (DeepSeek-V4.1, `PagedState.replay_window` W) every
-  cached block is a usable hit: without a snapshot at the hit's end h, the request recomputes its last
-  min(W, h) tokens to rebuild the windows (their entries stay as cached, the Engram lookback is
-  written from the token ids), an approximation of the exact state that DeepSeek serves with.
+  and carry rebuilt), which is exact (the slot's receptive field is that long). With bounded replay
+  (DeepSeek-V4.1, `PagedState.replay_window` W) every cached block is a usable hit: without a snapshot
+  at the hit's end h, the request recomputes its last min(W, h) tokens to rebuild the windows (their
+  entries stay as cached, the Engram lookback is written from the token ids), an approximation of the
+  exact state that DeepSeek serves with.
 * Pages are reference-counted (holding requests + 1 for the cache); a cached block nobody holds is
   evictable, least recently used first, when a request needs memory.
 * Every block stored and evicted is logged (`events`, a `BlockLog`), for routers that route by
