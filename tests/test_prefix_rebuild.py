@@ -49,6 +49,7 @@ def test_a_hit_without_a_snapshot_rebuilds_the_slot_exactly(model):
     cache = cached(model, first)
     assert cache.state.rebuild_tokens == REBUILD
     pages = [p.clone() for p in cache.state.pieces()[1]]
+    assert cache.cached_tokens(ids) == 320 - REBUILD  # what a rank weighs against a KV store's hit
     b = cache.allocate(ids)
     assert (b.num_tokens, b.window_from, b.entries_until) == (320 - REBUILD, 320 - REBUILD, 320)
     assert (cache.stats.hit_tokens, cache.stats.replayed_tokens) == (320 - REBUILD, REBUILD)

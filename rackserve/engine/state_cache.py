@@ -299,11 +299,16 @@ class StateCache:
         return None
 
     def cached_tokens(self, token_ids: list[int]) -> int:
-        """The prompt tokens of `token_ids` that `allocate` would take from the cache now (its last
-        token is always computed), replayed ones included; nothing is taken or touched."""
+        """The prompt tokens of `token_ids` that `allocate` would skip now (its last token is always
+        computed; tokens replayed to rebuild a slot are not skipped); nothing is taken or touched."""
         if not self.prefix_caching or not token_ids:
             return 0
-        return (self._usable(*self._lookup(token_ids[:-1])) + 1) * self.block_size
+        chain, best = self._lookup(token_ids[:-1])
+        use = self._usable(chain, best)
+        hit = (use + 1) * self.block_size
+        if use < 0 or self._blocks[chain[use]].snapshot is not None:
+            return hit
+        return hit - min(self._replay_tokens, hit)
 
     def _usable(self, chain: list[bytes], best: int) -> int:
         """Of a `_lookup`'s chain, the index of the last block a request can start after (-1: none):
