@@ -6,8 +6,10 @@ is served from disk with outputs equal to the single engine's."""
 from __future__ import annotations
 
 import errno
+import gc
 import itertools
 import logging
+import weakref
 
 import pytest
 import torch
@@ -35,7 +37,7 @@ def cache_on_disk(tmp_path, pages: int, disk_bytes: int = 1 << 20) -> StateCache
     """A cache of 1 request slot, 4 snapshots and `pages` pages over a disk tier of `disk_bytes`."""
     probe = ModelState(CONFIG, 1, 1, BLOCK, device="meta")
     cache = StateCache(CONFIG, BLOCK, 1, 5 * probe.slot_bytes + pages * probe.page_bytes, max_snapshots=4)
-    cache.lower = DiskTier(tmp_path / "disk", disk_bytes, on_removed=cache.events.removed)
+    cache.attach_lower(DiskTier(tmp_path / "disk", disk_bytes, on_removed=cache.events.removed))
     return cache
 
 
@@ -200,3 +202,20 @@ def test_a_disk_tier_without_a_size_or_a_place_is_refused_naming_the_setting(tmp
     with pytest.raises(ValueError, match="needs a directory"):
         PrefixStore(CONFIG, BLOCK, LocalAgent(f"test-store-{next(_names)}", 1 << 20), memory_mb=1, inbox_bytes=1 << 16,
                     disk_bytes=1 << 20)
+
+
+def test_a_dropped_cache_frees_its_memory_at_once_with_or_without_a_tier(tmp_path):
+    """No reference cycle holds a cache (and its state tensors) until the garbage collector runs: a
+    benchmark that makes caches of gigabytes one after the other relies on it."""
+    gc.disable()
+    try:
+        for tier in (False, True):
+            cache = cache_on_disk(tmp_path / str(tier), pages=4) if tier else StateCache(CONFIG, BLOCK, 1, 1 << 20)
+            fill(cache, prompt(32, seed=1), seed=1)
+            disk, held = cache.lower, weakref.ref(cache)
+            del cache
+            assert held() is None
+            if disk is not None:
+                disk.close()
+    finally:
+        gc.enable()

@@ -45,12 +45,16 @@ def prefix_keys(token_ids: list[int], block_size: int) -> list[int]:
 
 class BlockLog:
     def __init__(self, held: Callable[[], Iterable[bytes]], max_events: int = 1 << 16):
-        """The events of a cache whose blocks now held `held()` lists (hashes); at most `max_events`
-        kept (16 bytes of key and flag each, ~1 MiB at the default)."""
-        self._held, self.max_events = held, max_events
+        """The events of a cache whose blocks now held `held()` lists (hashes; more sources: `add_held`);
+        at most `max_events` kept (16 bytes of key and flag each, ~1 MiB at the default)."""
+        self._held, self.max_events = [held], max_events
         self._events: list[tuple[int, bool]] = []  # (key, stored) since `_base`
         self._base = 0  # the sequence number of `_events[0]`
         self._lock = threading.Lock()
+
+    def add_held(self, held: Callable[[], Iterable[bytes]]) -> None:
+        """Count what `held()` lists as held too (a lower tier of the cache)."""
+        self._held.append(held)
 
     @property
     def seq(self) -> int:
@@ -72,7 +76,7 @@ class BlockLog:
             self._base, self._events = end, []
             if seq is None or not end - len(events) <= seq <= end:
                 # a block logged while this is listed is in the list and in the next delta: applied twice, alike
-                return BlockDelta(tuple(block_key(h) for h in list(self._held())), (), end, reset=True)
+                return BlockDelta(tuple(block_key(h) for held in self._held for h in list(held())), (), end, reset=True)
         last = dict(events[seq - (end - len(events)):])  # a block stored and evicted since: its last event counts
         return BlockDelta(tuple(k for k, s in last.items() if s), tuple(k for k, s in last.items() if not s), end)
 

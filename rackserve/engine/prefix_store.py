@@ -68,7 +68,8 @@ class PrefixStore:
         if disk_bytes:
             if not disk_path:
                 raise ValueError("a KV store's disk tier needs a directory (disk_path)")
-            self.disk = self.cache.lower = DiskTier(disk_path, disk_bytes, on_removed=self.cache.events.removed)
+            self.disk = DiskTier(disk_path, disk_bytes, on_removed=self.cache.events.removed)
+            self.cache.attach_lower(self.disk)
         self.agent, self.inbox_bytes, self.pin_ttl_s = agent, inbox_bytes, pin_ttl_s
         self._inboxes: dict[str, int] = {}  # writer agent name -> offset of its inbox in the pool
         # a lookup result's region address (what its reader's Release names) -> (pool offset, expiry: time.monotonic())

@@ -24,7 +24,7 @@ owns what:
   evictable, least recently used first, when a request needs memory.
 * Every block stored and evicted is logged (`events`, a `BlockLog`), for routers that route by
   what each cache holds (`rackserve.cluster.prefix_index`).
-* A lower tier (`lower`, e.g. a KV store's `DiskTier`) takes the blocks evicted (a block there still
+* A lower tier (`attach_lower`, e.g. a KV store's `DiskTier`) takes the blocks evicted (a block there still
   counts as held in `events`) and gives them back when a lookup's chain reaches one.
 * `fork(handle)` gives a new request a copy of a running one's state, copy-on-write: the slot is
   copied, the full pages shared, only a partly filled last page copied (the choices of one prompt,
@@ -121,11 +121,17 @@ class StateCache:
         self._blocks: dict[bytes, _Block] = {}
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refs == 1 (cache only), oldest first
         self._num_snapshots = 0
-        self.lower: LowerTier | None = None
-        self.events = BlockLog(lambda: [*self._blocks, *(self.lower.keys() if self.lower else ())])
+        self.lower: LowerTier | None = None  # `attach_lower`
+        # the log holds the dict's method, not this cache's: no cycle keeps the state's memory alive
+        self.events = BlockLog(self._blocks.keys)
         # called before this cache, or a caller outside the forward (`KVPort`), reads or writes a
         # slot's state: with async scheduling, waits for the step in flight, which may still write it
         self.fence: Callable[[], None] = lambda: None
+
+    def attach_lower(self, tier: LowerTier) -> None:
+        """Put `tier` under this cache: it takes the blocks evicted, and what it holds counts as held in `events`."""
+        self.lower = tier
+        self.events.add_held(tier.keys)
 
     # ---- sizes -----------------------------------------------------------------------------------
     @property
