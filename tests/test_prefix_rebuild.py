@@ -60,6 +60,18 @@ def test_a_hit_without_a_snapshot_rebuilds_the_slot_exactly(model):
         assert torch.equal(before[shared], after[shared])
 
 
+def test_a_rebuild_prefilled_in_chunks_shorter_than_it_is_exact_too(model):
+    """A step's token budget may cut the replay into chunks that end before the cached entries do."""
+    first = prompt(400, seed=4)
+    ids = first[:330] + prompt(15, seed=5)
+    cache = cached(model, first)
+    b = cache.allocate(ids)
+    while len(ids) - b.num_tokens > BLOCK:
+        step(model, cache, [(b, ids[b.num_tokens:b.num_tokens + BLOCK])])
+    got = step(model, cache, [(b, ids[b.num_tokens:])])[0]
+    assert (got - uncached_logits(model, ids)).abs().max().item() < 1e-4
+
+
 def test_a_shorter_replay_than_the_receptive_field_is_not_exact(model):
     """What the bound is for: rebuilding from a block before the hit leaves the deep layers' windows wrong."""
     first = prompt(400, seed=4)

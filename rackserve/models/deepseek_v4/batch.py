@@ -252,7 +252,8 @@ class _Geometry:
                       trash: tuple[int, int] | None = None) -> CompressPlan:
         rate, per_page = scheme.rate, block_size // scheme.rate
         first = torch.maximum(self.starts, entries_until) // rate  # first entry completed in this step
-        count = self.ends // rate - first
+        # a chunk of a replay that ends before `entries_until` completes none (its entries are cached)
+        count = (self.ends // rate - first).clamp(min=0)
         owner = torch.repeat_interleave(torch.arange(len(count)), count)
         w = first[owner] + torch.arange(len(owner)) - (torch.cumsum(count, 0) - count)[owner]
         # with overlap (CSA) entry w pools positions (w-1)·rate .. (w+1)·rate - 1, else its own window
