@@ -221,6 +221,11 @@ def result(name: str, done: Replay, gpus: int, decode_gpus: int, args, store: di
     return Result(name, summarize(done.records, gpus, decode_gpus), rps, share, done.truncated, store)
 
 
+def tok_s(s: Summary) -> float:
+    """Tokens/s of the run, cached input included (the deployment's, not per GPU)."""
+    return (s.prompt_tokens + s.output_tokens) / s.duration_s if s.duration_s else 0.0
+
+
 COLUMNS = ("variant", "req", "fail", "tok/s", "hit", "prefilled", "TTFT p50", "p90", "user tok/s p50", "p90",
            "goodput r/s", "SLO met", "disk hits")
 
@@ -229,8 +234,7 @@ def table(results: list[Result]) -> str:
     rows = [COLUMNS]
     for r in results:
         s = r.summary
-        tok_s = (s.prompt_tokens + s.output_tokens) / s.duration_s if s.duration_s else 0.0
-        rows.append((r.variant, s.requests, s.failed, f"{tok_s:.0f}", f"{s.cache_hit_rate:.1%}",
+        rows.append((r.variant, s.requests, s.failed, f"{tok_s(s):.0f}", f"{s.cache_hit_rate:.1%}",
                      s.prompt_tokens - s.cached_tokens, f"{s.ttft_p50_ms:.0f}", f"{s.ttft_p90_ms:.0f}",
                      f"{s.user_tok_s_p50:.1f}", f"{s.user_tok_s_p90:.1f}", f"{r.goodput_rps:.2f}",
                      f"{r.goodput_share:.0%}", r.store.get("disk_hits", "-")))
@@ -247,8 +251,7 @@ def figures(results: list[Result], traces: list[Trace], args) -> dict:
 
     out = {"bench": "traces", "traces": len(traces), "requests": sum(t.count() for t in traces), "users": args.users,
            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
-           "variants": {r.variant: {"tok_s": round((r.summary.prompt_tokens + r.summary.output_tokens)
-                                                   / r.summary.duration_s, 1) if r.summary.duration_s else 0.0,
+           "variants": {r.variant: {"tok_s": round(tok_s(r.summary), 1),
                                     "hit_rate": round(r.summary.cache_hit_rate, 4),
                                     "prefilled_tokens": r.summary.prompt_tokens - r.summary.cached_tokens,
                                     "ttft_p50_ms": round(r.summary.ttft_p50_ms, 1),
