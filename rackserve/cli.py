@@ -178,6 +178,13 @@ def _sim(args: argparse.Namespace) -> int:
     if args.action == "validate":
         validate(args.preset)
         return 0
+    if args.action == "traces":
+        from rackserve.sim.agentic import run
+
+        run(args)
+        return 0
+    if args.prefill and args.decode:
+        raise SystemExit("rackserve sim run: give --prefill or --decode (one instance), not both")
     role = "prefill" if args.prefill else "decode"
     group = InstanceGroup.parse(args.prefill or args.decode, role)
     batch = args.batch or (2 if role == "prefill" else 128)
@@ -270,12 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check_gpu(sub)
     si = sub.add_parser("sim", help="simulate DEP instances on GB300 NVL72 / H200 racks (real scheduler and EPLB, "
                                     "roofline costs)")
-    si.add_argument("action", choices=("validate", "run"),
-                    help="validate: published DeepSeek-V4.1-Flash figures vs predictions; run: one configuration")
+    si.add_argument("action", choices=("validate", "run", "traces"),
+                    help="validate: published DeepSeek-V4.1-Flash figures vs predictions; run: one configuration; "
+                         "traces: the agentic trace benchmark's comparison, predicted (rackserve.sim.agentic)")
     si.add_argument("--preset", default="gb300", choices=("gb300", "h200"), help="hardware preset (default gb300)")
-    role = si.add_mutually_exclusive_group()
-    role.add_argument("--prefill", help="run: a prefill instance, e.g. DEP2")
-    role.add_argument("--decode", help="run: a decode instance, e.g. DEP16")
+    si.add_argument("--prefill", help="run: a prefill instance, e.g. DEP2; traces: the prefill instances "
+                                      "(default 4xDEP2)")
+    si.add_argument("--decode", help="run: a decode instance, e.g. DEP16; traces: the one whose per-user rate is "
+                                     "predicted (default DEP32)")
     si.add_argument("--batch", type=int, help="requests in flight per rank (default: prefill 2, decode 128)")
     si.add_argument("--isl", type=int, default=8192, help="input tokens (the longest; see --range-ratio)")
     si.add_argument("--osl", type=int, default=1024, help="output tokens (decode)")
@@ -302,6 +311,27 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--zipf", type=float, default=1.0, help="expert-popularity skew (Zipf exponent)")
     si.add_argument("--steps", type=int, default=40, help="steps to simulate")
     si.add_argument("--seed", type=int, default=0)
+    tr = si.add_argument_group("traces")
+    tr.add_argument("--traces", default=None, help="a directory of kv-cache-tester trace files (default: the "
+                                                   "shipped synthetic ones)")
+    tr.add_argument("--max-traces", type=int, default=None, help="replay the first N traces only")
+    tr.add_argument("--users", type=int, default=8, help="conversations replayed at once")
+    tr.add_argument("--token-scale", type=int, default=None, help="input/output tokens and block size x this "
+                                                                  "(default: 32 for the shipped traces, else 1)")
+    tr.add_argument("--max-delay", type=float, default=60.0, help="think times capped at this many seconds "
+                                                                  "(simulated: they take no wall time)")
+    tr.add_argument("--warm-prefix-pct", type=float, default=0.5, help="local-scope traces: share of the tool + "
+                                                                       "system tokens all conversations share")
+    tr.add_argument("--variants", default="all", help="comma-separated policy[+disk], or all")
+    tr.add_argument("--block-size", type=int, default=256, help="the simulated caches' block (tokens)")
+    tr.add_argument("--max-model-len", type=int, default=1 << 20, help="a longer request ends its conversation")
+    tr.add_argument("--state-gib", type=float, default=40.0, help="each prefill rank's state memory")
+    tr.add_argument("--store-gib", type=float, default=256.0, help="the KV store's host memory")
+    tr.add_argument("--disk-gib", type=float, default=2048.0, help="its disk tier in the +disk variants")
+    tr.add_argument("--decode-tok-s", type=float, default=None, help="output tokens/s a user (default: predicted "
+                                                                     "for --decode with 3 DSpark drafts)")
+    tr.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    tr.add_argument("--slo-tpot-ms", type=float, default=50.0)
     si.set_defaults(func=_sim)
     return parser
 

@@ -65,6 +65,17 @@ def test_a_malformed_trace_is_refused_naming_the_file(tmp_path):
         traces.load(tmp_path / "none")
 
 
+def test_a_last_partial_block_without_an_id_is_text_of_its_own(tmp_path):
+    # the public traces give ids to full blocks only: 71,175 tokens in 1,112 blocks of 64
+    doc = {"id": "t", "requests": [{"t": 0, "in": 135, "out": 5, "hash_ids": [7, 8]},
+                                   {"t": 1, "in": 140, "out": 5, "hash_ids": [7, 8]}]}
+    (tmp_path / "t.json").write_text(json.dumps(doc))
+    [trace] = traces.load(tmp_path)
+    first, second = (traces.Content(seed=1).prompt(trace, r) for r in trace.requests)
+    assert (len(first), len(second)) == (135, 140)
+    assert first[:128] == second[:128] and first[128:] != second[128:135]
+
+
 class Recorder:
     """A driver that keeps what was sent and answered."""
 

@@ -29,7 +29,7 @@ from rackserve.sim.simulator import SimRequest, Workload
 PLAIN = Efficiency(gemm=1.0, attention=1.0, hbm=1.0, nvlink=1.0, layer_overhead_s=0.0)
 TOY = Hardware("toy", {"bf16": 1e12}, hbm_bytes_per_s=1e9, hbm_bytes=1e12, nvlink_bytes_per_s=1e9,
                nvlink_latency_s=0.0, nvlink_domain=8, network_bytes_per_s=1e8, network_latency_s=0.0,
-               host_link_bytes_per_s=1e9, gpus_per_host=4)
+               host_link_bytes_per_s=1e9, gpus_per_host=4, disk_bytes_per_s=1e9)
 
 
 def test_matmul_roofline_by_hand():

@@ -86,7 +86,7 @@ def parse(doc: dict, name: str, scope: str | None = None, block_size: int | None
                 think = 0.0 if prev_t is None else max(0.0, float(r["t"]) - prev_t)
             prev_t = float(r.get("t", 0.0))
             req = TraceRequest(int(r["in"]), int(r["out"]), tuple(int(h) for h in r["hash_ids"]), float(think))
-            if len(req.hash_ids) * block_size < req.in_tokens:
+            if len(req.hash_ids) < req.in_tokens // block_size:  # a last partial block may have no id
                 raise ValueError(f"request {i} has {req.in_tokens} input tokens but {len(req.hash_ids)} blocks "
                                  f"of {block_size}")
             requests.append(req)
@@ -114,7 +114,12 @@ class Content:
 
     def prompt(self, trace: Trace, request: TraceRequest) -> list[int]:
         scope = 0 if trace.scope == "global" else zlib.crc32(trace.id.encode())
-        ids = np.concatenate([self._block(scope, h, trace.block_size) for h in request.hash_ids])[:request.in_tokens]
+        blocks = [self._block(scope, h, trace.block_size) for h in request.hash_ids]
+        short = request.in_tokens - len(request.hash_ids) * trace.block_size
+        if short > 0:  # a last partial block without an id (the public traces have them): text of its own
+            blocks.append(np.random.default_rng([self.seed, scope, 1 << 33, request.in_tokens,
+                                                 *request.hash_ids[-1:]]).integers(*VOCAB, short))
+        ids = np.concatenate(blocks)[:request.in_tokens]
         if trace.scope != "global" and self.warm_prefix_pct:
             warm = int(self.warm_prefix_pct * trace.prefix_tokens) // trace.block_size * trace.block_size
             ids[:warm] = self._canonical(warm)[: len(ids[:warm])]

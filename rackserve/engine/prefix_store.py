@@ -47,6 +47,19 @@ class StoreStats:
     pinned: int = 0  # lookup results waiting to be read now
 
 
+def store_cache(config: ModelSpec, block_size: int, budget_bytes: int, snapshot_share: float = 0.25,
+                device: str = "cpu", **layout) -> StateCache:
+    """A KV store's cache: blocks and snapshots in `budget_bytes`, `snapshot_share` of it at most for
+    snapshots; `layout`: the writers' `dtype`, `draft_layers`, `state_dtype` (`StateCache`'s)."""
+    probe = StateCache(config, block_size, 1, budget_bytes, prefix_caching=True, max_snapshots=0, device="meta",
+                       **layout)
+    # a state without slot tensors (a plain KV cache) snapshots for free: at most one per cached block
+    slot_bytes = probe.state.slot_bytes
+    snapshots = max(1, int(budget_bytes * snapshot_share) // slot_bytes if slot_bytes else probe.num_pages)
+    return StateCache(config, block_size, 1, budget_bytes, prefix_caching=True, max_snapshots=snapshots,
+                      device=device, **layout)
+
+
 class PrefixStore:
     def __init__(self, config: ModelSpec, block_size: int, agent: KVTransport, memory_mb: float,
                  inbox_bytes: int, snapshot_share: float = 0.25, pin_ttl_s: float = 30.0, draft_layers: int = 0,
@@ -57,13 +70,8 @@ class PrefixStore:
         `draft_layers`: 1 when the writers' state has the draft model's (speculative decoding); `dtype` and
         `state_dtype`: the writers' (the store holds their bytes as they are); `disk_bytes` of a disk
         tier in the directory `disk_path` (this store's alone: it is emptied), none at 0."""
-        budget = int(memory_mb * 2**20)
-        layout = dict(dtype=dtype, draft_layers=draft_layers, state_dtype=state_dtype)
-        probe = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=0, device="meta", **layout)
-        # a state without slot tensors (a plain KV cache) snapshots for free: at most one per cached block
-        slot_bytes = probe.state.slot_bytes
-        snapshots = max(1, int(budget * snapshot_share) // slot_bytes if slot_bytes else probe.num_pages)
-        self.cache = StateCache(config, block_size, 1, budget, prefix_caching=True, max_snapshots=snapshots, **layout)
+        self.cache = store_cache(config, block_size, int(memory_mb * 2**20), snapshot_share, dtype=dtype,
+                                 draft_layers=draft_layers, state_dtype=state_dtype)
         self.disk = None
         if disk_bytes:
             if not disk_path:

@@ -23,7 +23,7 @@ class Hardware:
       (FP4 on Hopper) is absent and runs at the next wider one.
     nvlink_bytes_per_s: per GPU, per direction. network_*: the scale-out NIC per GPU (used when an
       instance is larger than one NVLink domain). host_link_bytes_per_s: host memory -> GPU (the KV
-      store's prefixes come this way).
+      store's prefixes come this way). disk_bytes_per_s: a host's local NVMe, read (a KV store's disk tier).
     """
 
     name: str
@@ -37,6 +37,7 @@ class Hardware:
     network_latency_s: float
     host_link_bytes_per_s: float
     gpus_per_host: int
+    disk_bytes_per_s: float
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def flop_rate(self, dtype: str) -> float:
@@ -101,6 +102,7 @@ GB300 = Hardware(
     network_latency_s=5e-6,
     host_link_bytes_per_s=450e9,
     gpus_per_host=4,
+    disk_bytes_per_s=28e9,
     sources={
         "flops": "NVIDIA Blackwell Ultra: 15 PFLOPS dense NVFP4 per GPU; GB300 NVL72 sheet: 720 PFLOPS FP8 and "
                  "360 PFLOPS BF16 per rack with sparsity -> 5 / 2.5 PFLOPS dense per GPU",
@@ -113,6 +115,7 @@ GB300 = Hardware(
         "network_latency_s": "assumed: RDMA one-way latency",
         "host_link_bytes_per_s": "NVLink-C2C Grace <-> GPU: 900 GB/s both directions",
         "gpus_per_host": "GB300 NVL72 compute tray: 4 GPUs",
+        "disk_bytes_per_s": "assumed: a compute tray's local E1.S NVMe, two PCIe Gen5 drives at ~14 GB/s read each",
     },
 )
 
@@ -128,6 +131,7 @@ H200 = Hardware(
     network_latency_s=5e-6,
     host_link_bytes_per_s=55e9,
     gpus_per_host=8,
+    disk_bytes_per_s=28e9,
     sources={
         "flops": "H200 SXM sheet: 3,958 / 1,979 TFLOPS FP8 / BF16 with sparsity -> half dense; no FP4 tensor cores",
         "hbm_bytes_per_s": "H200 SXM sheet: 4.8 TB/s",
@@ -139,6 +143,7 @@ H200 = Hardware(
         "network_latency_s": "assumed: RDMA one-way latency",
         "host_link_bytes_per_s": "assumed: PCIe 5.0 x16, ~55 GB/s achievable one way",
         "gpus_per_host": "HGX H200: 8 GPUs per host",
+        "disk_bytes_per_s": "assumed: two of the host's PCIe Gen5 NVMe drives at ~14 GB/s read each",
     },
 )
 

@@ -60,7 +60,8 @@ class Scenario:
 
     batch: requests in flight per rank (closed loop). redundant_slots: extra expert slots over the
     instance (EPLB replicas). precision: a key of `cost.PRECISIONS`; indexer: override its indexer
-    dtype. host_path: "rackserve" or "unoptimised". model: a key of `MODELS`. bounded_replay: None for the
+    dtype. host_path: "rackserve" or "unoptimised". model: a key of `MODELS`. block_size: tokens per state
+    page and prefix-cache block (None: the engine's default). bounded_replay: None for the
     model's default. speculative_tokens: DSpark drafts per decode step (V4.1), each accepted with chance
     `acceptance` when the ones before it were.
     """
@@ -82,6 +83,7 @@ class Scenario:
     steps: int = 40
     warmup: int = 4
     model: str = "v4.1-flash"
+    block_size: int | None = None
     bounded_replay: bool | None = None
     speculative_tokens: int = 0
     acceptance: float = ACCEPTANCE
@@ -99,11 +101,16 @@ class Scenario:
         # decode ranks get their state pushed; prefixes are cached by prefill ranks and KV stores
         return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=length,
                             prefix_caching=self.prefill, max_new_kv_loads_per_step=4,
-                            bounded_replay=self.bounded_replay)
+                            bounded_replay=self.bounded_replay, block_size=self.block_size)
 
 
 def simulate(s: Scenario) -> SimResult:
     """Run scenario `s` and return its totals."""
+    return build(s).run(s.workload, s.steps, s.warmup)
+
+
+def build(s: Scenario, state_bytes: int | None = None) -> Simulator:
+    """Scenario `s`'s instance, each rank's state cache `state_bytes` (default: `state_budget`)."""
     if s.model not in MODELS:
         raise ValueError(f"model={s.model!r}: the simulator knows {sorted(MODELS)}")
     model = MODELS[s.model]()
@@ -124,8 +131,9 @@ def simulate(s: Scenario) -> SimResult:
     engine = s.engine()
     if s.eplb_interval:  # steady state: the layout EPLB planned on one interval of this load
         eplb.replace(load.draw(s.eplb_interval * engine.max_num_seqs * s.dep))
-    sim = Simulator(cost, engine, state_budget(shape, hw, s.dep, precision, engine), load, eplb, s.acceptance)
-    return sim.run(s.workload, s.steps, s.warmup)
+    if state_bytes is None:
+        state_bytes = state_budget(shape, hw, s.dep, precision, engine)
+    return Simulator(cost, engine, state_bytes, load, eplb, s.acceptance)
 
 
 def state_budget(shape: ModelShape, hw: Hardware, dep: int, precision: Precision, engine: EngineConfig) -> int:

@@ -36,8 +36,9 @@ from rackserve.config import EngineConfig
 from rackserve.engine.request import Request
 from rackserve.engine.runner import plan_passes
 from rackserve.engine.sampling import SamplingParams
-from rackserve.engine.scheduler import RunnerOutput, Scheduler
+from rackserve.engine.scheduler import RequestOutput, RunnerOutput, Scheduler
 from rackserve.engine.state_cache import StateCache
+from rackserve.messages import RankLoad
 from rackserve.sim.cost import Chunk, CostModel, StepCost
 from rackserve.sim.experts import ExpertLoad, ExpertPlacement
 
@@ -80,16 +81,22 @@ class SyntheticTokens:
 
 @dataclass
 class SimRequest(Request):
-    """A real `Request` whose tokens are `SyntheticTokens` (a 100K-token prompt costs no memory)."""
+    """A real `Request` whose tokens are `SyntheticTokens` when it has `segments` (a 100K-token prompt
+    costs no memory), else its `prompt_ids`. `loaded`: the tokens whose state arrives with it (pushed
+    decode state, or a prefix read from a KV store); 0: it is prefilled where it lands, after whatever
+    prefix that rank's cache holds."""
 
     segments: tuple[tuple[int, int], ...] = ()
+    loaded: int = 0
 
     def __post_init__(self) -> None:
-        self.token_ids = SyntheticTokens(self.segments)
+        super().__post_init__()
+        if self.segments:
+            self.token_ids = SyntheticTokens(self.segments)
 
     @property
     def num_prompt(self) -> int:
-        return self.token_ids.prompt_len
+        return self.token_ids.prompt_len if self.segments else super().num_prompt
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,17 @@ class SimResult:
 
 
 @dataclass
+class StepOutcome:
+    """One gang step: its cost, the prompt tokens it ran (prefill), the samples it took (a request's
+    decode step or finished prefill each) and the requests that finished."""
+
+    cost: StepCost
+    computed: int
+    samples: int
+    done: list[RequestOutput]
+
+
+@dataclass
 class _Rank:
     scheduler: Scheduler
     arrivals: deque = field(default_factory=deque)  # pushed state or fetched prefix, not yet admitted
@@ -195,17 +213,35 @@ class Simulator:
         segments = ((-1 - rid, w.prefix), (rid, n)) if w.prefix else ((rid, n),)
         max_tokens = 1 if w.mode == "prefill" else max(1, w.osl - progress)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return SimRequest(str(rid), [], params, seed=0, arrival=rid, segments=segments)
+        return SimRequest(str(rid), [], params, seed=0, arrival=rid, segments=segments,
+                          loaded=w.prefix + n if w.mode == "decode" else w.prefix)
 
     def _route(self, req: SimRequest, w: Workload) -> None:
         if w.router == "round_robin":
-            rank = self.ranks[next(self._next_rank)]
+            self.submit(req, next(self._next_rank))
         else:
-            rank = min(self.ranks, key=_queued_tokens)
-        if w.mode == "decode" or w.prefix:
-            rank.arrivals.append(req)
+            self.submit(req, min(range(len(self.ranks)), key=lambda i: _queued_tokens(self.ranks[i])))
+
+    def submit(self, req: SimRequest, rank: int) -> None:
+        """Give `req` to DP rank `rank`: its `loaded` state arrives there first, or it waits to be scheduled."""
+        if req.loaded:
+            self.ranks[rank].arrivals.append(req)
         else:
-            rank.scheduler.add(req)
+            self.ranks[rank].scheduler.add(req)
+
+    def rank_load(self, rank: int) -> RankLoad:
+        """DP rank `rank`'s report to a router, as `Engine.load` makes it."""
+        r = self.ranks[rank]
+        queued = [*r.scheduler.running, *r.scheduler.waiting]
+        return RankLoad(requests=len(queued) + len(r.arrivals),
+                        tokens=sum(len(q.token_ids) for q in queued) + sum(a.loaded for a in r.arrivals),
+                        prefill_tokens=sum(max(0, q.num_prompt - q.num_computed) for q in queued),
+                        cache_blocks=r.scheduler.cache.num_pages)
+
+    @property
+    def busy(self) -> bool:
+        """Whether some rank has a request to admit, schedule or run."""
+        return any(r.arrivals or r.scheduler.has_unfinished() for r in self.ranks)
 
     def _admit(self, rank: _Rank, w: Workload, limit: int) -> int:
         """Admit at most `limit` arrived requests as `KVPort.admit_arrived` does; bytes of state loaded
@@ -216,7 +252,7 @@ class Simulator:
             sched, req = rank.scheduler, rank.arrivals[0]
             if len(sched.running) >= self.engine.max_num_seqs:
                 break
-            num_tokens = w.prefix if w.mode == "prefill" else req.num_prompt
+            num_tokens = req.loaded
             handle = sched.cache.allocate()
             if handle is None:
                 break
@@ -227,6 +263,7 @@ class Simulator:
             handle.num_tokens = num_tokens
             if w.mode == "prefill":  # a prefix read from the KV store (host memory); pushed decode
                 loaded += self._slot_bytes + state.pages_for(num_tokens) * self._page_bytes  # state lands by NIXL
+            sched.cache.commit(handle, req.token_ids)  # as `KVPort.admit_arrived`: its full blocks are cached
             req.num_cached = num_tokens if w.mode == "prefill" else 0
             sched.admit_loaded(req, handle, SAMPLED if w.mode == "decode" else None)
         return loaded
@@ -243,44 +280,52 @@ class Simulator:
                 self._admit(rank, w, len(rank.arrivals))
         result = SimResult(self.cost.world)
         for step in range(warmup + steps):
-            fetched = [self._admit(rank, w, self.engine.max_new_kv_loads_per_step) for rank in self.ranks]
-            outs = [rank.scheduler.schedule() for rank in self.ranks]
-            plans = [plan_passes(out, rank.scheduler.cache) for rank, out in zip(self.ranks, outs)]
-            num_passes = max(map(len, plans))
-            if num_passes == 0:
+            outcome = self.step(w)
+            if outcome is None:
                 break
-            per_rank = [_chunks(plan, self.cost.drafts if w.mode == "decode" else 0) for plan in plans]
-            passes = [[chunks[i] if i < len(chunks) else [] for chunks in per_rank] for i in range(num_passes)]
-            pairs, touched = [], []
-            for ranks in passes:
-                load = self.load.draw(sum(max(1, sum(ch.num_tokens for ch in chunks)) for chunks in ranks))
-                pair, touch = self.eplb.rank_loads(load)
-                pairs.append(pair)
-                touched.append(touch)
-                self.eplb.after_step(load)
-            running = [len(rank.scheduler.running) for rank in self.ranks]
-            cost = self.cost.step(passes, running, pairs, touched, fetched)
-            finished = 0
-            for rank, out, plan in zip(self.ranks, outs, plans):
-                for part in plan:
-                    for chunk, ids in part:
-                        rank.scheduler.cache.advance(chunk.request.handle, len(ids), chunk.request.token_ids)
-                n = sum(c.samples for c in out.chunks)
-                done = [o for o in rank.scheduler.update(out, RunnerOutput([SAMPLED] * n, [None] * n)) if o.finished]
-                finished += len(done)
-                if step >= warmup:
-                    result.computed_tokens += out.num_tokens if w.mode == "prefill" else 0
-                    result.output_tokens += n * self.tokens_per_step
-                    result.decoded += n
-                    result.cached_tokens += sum(o.num_cached_tokens for o in done)
             if step >= warmup:
-                result.steps.append(cost)
-                result.time_s += cost.total_s
-                result.finished += finished
-            for _ in range(finished):
+                result.steps.append(outcome.cost)
+                result.time_s += outcome.cost.total_s
+                result.computed_tokens += outcome.computed
+                result.output_tokens += outcome.samples * self.tokens_per_step
+                result.decoded += outcome.samples
+                result.cached_tokens += sum(o.num_cached_tokens for o in outcome.done)
+                result.finished += len(outcome.done)
+            for _ in outcome.done:
                 self._route(self._new_request(w, rng), w)
         result.preemptions = sum(r.scheduler.num_preemptions for r in self.ranks)
         return result
+
+    def step(self, w: Workload) -> StepOutcome | None:
+        """One gang step of the requests the ranks hold (`w.mode` says what they are); None when no rank
+        has anything to run."""
+        fetched = [self._admit(rank, w, self.engine.max_new_kv_loads_per_step) for rank in self.ranks]
+        outs = [rank.scheduler.schedule() for rank in self.ranks]
+        plans = [plan_passes(out, rank.scheduler.cache) for rank, out in zip(self.ranks, outs)]
+        num_passes = max(map(len, plans))
+        if num_passes == 0:
+            return None
+        per_rank = [_chunks(plan, self.cost.drafts if w.mode == "decode" else 0) for plan in plans]
+        passes = [[chunks[i] if i < len(chunks) else [] for chunks in per_rank] for i in range(num_passes)]
+        pairs, touched = [], []
+        for ranks in passes:
+            load = self.load.draw(sum(max(1, sum(ch.num_tokens for ch in chunks)) for chunks in ranks))
+            pair, touch = self.eplb.rank_loads(load)
+            pairs.append(pair)
+            touched.append(touch)
+            self.eplb.after_step(load)
+        running = [len(rank.scheduler.running) for rank in self.ranks]
+        outcome = StepOutcome(self.cost.step(passes, running, pairs, touched, fetched), 0, 0, [])
+        for rank, out, plan in zip(self.ranks, outs, plans):
+            for part in plan:
+                for chunk, ids in part:
+                    rank.scheduler.cache.advance(chunk.request.handle, len(ids), chunk.request.token_ids)
+            n = sum(c.samples for c in out.chunks)
+            outputs = rank.scheduler.update(out, RunnerOutput([SAMPLED] * n, [None] * n))
+            outcome.done += [o for o in outputs if o.finished]
+            outcome.computed += out.num_tokens if w.mode == "prefill" else 0
+            outcome.samples += n
+        return outcome
 
 
 def _chunks(plan, drafts: int = 0) -> list[list[Chunk]]:
