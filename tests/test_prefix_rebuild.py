@@ -109,3 +109,22 @@ def test_prompts_diverging_mid_block_run_share_every_full_block_with_equal_outpu
     assert got.num_cached_tokens == 320 - REBUILD  # every full block of the shared prefix, 80 tokens rebuilt
     assert got.token_ids == want.token_ids
     assert [x.logprob for x in got.logprobs] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+
+
+def test_conversations_resume_at_their_latest_turn_while_every_snapshot_is_held(tiny_checkpoint):
+    # three conversations run side by side; each turn's prompt resumes where the last one's ended. With
+    # 4 snapshot slots, the snapshots along the running requests' chains fill them all (none evictable):
+    # the newest boundary frees the one nearest before it in its own chain, so no hit has to replay
+    llm = LLM(tiny_checkpoint, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, prefix_snapshots=4)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    histories = [prompt(64, seed=10 + c) for c in range(3)]
+    for turn in range(5):
+        for c, h in enumerate(histories):
+            h += prompt(48, seed=100 * c + turn)
+        sent = [list(h) for h in histories]
+        outs = llm.generate(sent, greedy)
+        for h, o in zip(histories, outs):
+            h += o.token_ids
+        if turn:  # the answer's 16 tokens (its last one never ran) and the 48 new ones
+            assert [len(p) - o.num_cached_tokens for p, o in zip(sent, outs)] == [64] * 3
+    assert llm.engine.stats()["replayed_tokens"] == 0

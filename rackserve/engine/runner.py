@@ -262,7 +262,8 @@ class Runner:
         forward = _Forward(part, requests, num_drafts, shape, batch, lens, rows, speculative, finishing, sampling, fill)
         if self.drafter is None:
             for chunk, ids in part:
-                self.cache.advance(chunk.request.handle, len(ids), chunk.request.token_ids, copies=forward.copies)
+                self.cache.advance(chunk.request.handle, len(ids), chunk.request.token_ids, copies=forward.copies,
+                                   passing=not chunk.samples)
         return forward
 
     def _launch(self, forward: _Forward, previous: StepInFlight | None = None) -> None:
@@ -320,7 +321,7 @@ class Runner:
             kept = [t for t, _ in sampled[id(chunk)][:-1]] if accepted[i] else []
             copies: list[tuple[int, int]] = []
             self.cache.advance(chunk.request.handle, len(ids) - num_drafts[i] + accepted[i],
-                               chunk.request.token_ids + kept, copies=copies)
+                               chunk.request.token_ids + kept, copies=copies, passing=not chunk.samples)
             for src, dst in copies:
                 self.cache.state.copy_slot(src, dst)
 

@@ -48,9 +48,11 @@ from rackserve.models.state import RequestState, StateBlob
 
 @dataclass
 class CacheHandle(RequestState):
-    """A request's state handle plus the hash chain of its full blocks."""
+    """A request's state handle plus the hash chain of its full blocks, and the block of the snapshot
+    it took where a prompt chunk ended with more of its prompt to come (`passing_snapshot`)."""
 
     block_hashes: list[bytes] = field(default_factory=list)
+    passing_snapshot: bytes | None = None
 
 
 class LowerTier(Protocol):
@@ -255,18 +257,22 @@ class StateCache:
 
     # ---- prefix cache ------------------------------------------------------------------------------
     def advance(self, handle: CacheHandle, num_tokens: int, token_ids: list[int],
-                copies: list[tuple[int, int]] | None = None) -> None:
+                copies: list[tuple[int, int]] | None = None, passing: bool = False) -> None:
         """`handle` ran (or will have run) `num_tokens` more tokens (its tokens so far: `token_ids`):
         count them and `commit`."""
         handle.num_tokens += num_tokens
-        self.commit(handle, token_ids, copies)
+        self.commit(handle, token_ids, copies, passing)
 
-    def commit(self, handle: CacheHandle, token_ids: list[int], copies: list[tuple[int, int]] | None = None) -> None:
+    def commit(self, handle: CacheHandle, token_ids: list[int], copies: list[tuple[int, int]] | None = None,
+               passing: bool = False) -> None:
         """Register `handle`'s newly completed full blocks (`token_ids` = its tokens so far, at least
         up to its last full block), and snapshot its slot if it sits exactly on a block boundary.
         `copies`: when given, the snapshot is a (slot, snapshot slot) copy appended there, for the
         caller to run once the state has reached the boundary (the forward that gets it there may
-        not have run yet)."""
+        not have run yet). `passing`: a prompt chunk that ends here with more of the prompt to come: its
+        snapshot is given up when the request takes its next (a hit rarely ends mid-prompt where a chunk
+        happened to end, and with a rebuild it need not), so chunked prefills of long prompts do not
+        crowd out the snapshots where prompts end, which the next turns resume at."""
         if not self.prefix_caching:
             return
         b = self.block_size
@@ -284,10 +290,18 @@ class StateCache:
         # a replayed prefix (bounded replay) passes boundaries whose blocks are cached already
         if full and handle.num_tokens == full * b and full == len(handle.block_hashes):
             block = self._blocks[handle.block_hashes[-1]]
+            passed = self._blocks.get(handle.passing_snapshot) if handle.passing_snapshot else None
+            if block.snapshot is None and passed is not None and passed.snapshot is not None:
+                self._drop_snapshot(passed)  # taken by an earlier step: its copy ran
+                self.stats.evictions += 1
+            handle.passing_snapshot = None
             if block.snapshot is None and self._num_snapshots >= self.max_snapshots:
                 self._evict_snapshot()  # the newest boundary is the likeliest to be resumed
+                if self._num_snapshots >= self.max_snapshots:
+                    self._drop_superseded(handle)
             if block.snapshot is None and self._num_snapshots < self.max_snapshots and self._free_slots:
                 block.snapshot = self._free_slots.pop()
+                handle.passing_snapshot = handle.block_hashes[-1] if passing else None
                 if copies is None:
                     self.state.copy_slot(handle.slot, block.snapshot)
                 else:
@@ -399,6 +413,18 @@ class StateCache:
         if fallback is not None:
             self._drop_snapshot(fallback)
             self.stats.evictions += 1
+
+    def _drop_superseded(self, handle: CacheHandle) -> None:
+        """Every snapshot is on blocks that requests hold (a conversation's turns, each resumed at the
+        last one's end, pile them up along its chain): free the one nearest before `handle`'s new end in
+        its own chain, which its continuation, snapshotted now, supersedes. (A copy into that slot still
+        pending from this step is followed by the new snapshot's, into the same slot.)"""
+        for h in reversed(handle.block_hashes[:-1]):
+            block = self._blocks.get(h)
+            if block is not None and block.snapshot is not None:
+                self._drop_snapshot(block)
+                self.stats.evictions += 1
+                return
 
     def _evict_one(self) -> bool:
         """Drop the least recently used block nobody holds; False if there is none."""
