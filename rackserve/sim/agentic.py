@@ -18,9 +18,8 @@ What runs is the real code wherever it decides something; what it costs comes fr
 * The KV store (one, the decode instance's): the cache a `PrefixStore` holds (`store_cache`, meta
   device, `--store-gib`: the deploy's 256 GiB), with `DiskModel` beneath it in the "+ disk" variants
   (`--disk-gib`). A request is looked up there first (its blocks on disk come back into host memory
-  then); a rank whose own cache holds less reads the store's prefix, costed as the step's fetch over
-  the host link after the disk read (`Hardware.disk_bytes_per_s`). A finished prefill PUTs its full
-  blocks into the store.
+  then, at `Hardware.disk_bytes_per_s`); a rank whose own cache holds less reads the store's prefix,
+  costed as the step's fetch over the host link. A finished prefill PUTs its full blocks into the store.
 * Decode is not stepped: the state is pushed over NVLink, then each request streams its output at
   `--decode-tok-s` per user (default: what `rackserve sim run --decode DEP32 --speculative-tokens 3`
   predicts). So what the variants change is the prefill side: tokens prefilled, TTFT, fetches.
@@ -189,6 +188,9 @@ class SimDeployment:
                           f"{len(prompt)} + {max_tokens} tokens exceed max_model_len {self.rack.max_model_len}"), []
         keys = prefix_keys(prompt, self.block_size)
         hit, disk_bytes = self._lookup(prompt)
+        if disk_bytes:  # the lookup reads its blocks on disk back into host memory before it answers
+            await asyncio.sleep(disk_bytes / self.hardware.disk_bytes_per_s)
+        # as the real path: the decode rank first (counted as sent), then the prefill rank
         self.router.decode_rank(session, len(prompt) + max_tokens, keys=keys, prompt_tokens=len(prompt))
         name, r = self.router.prefill_rank(session, len(prompt), keys, hit)
         instance = int(name.removeprefix("prefill"))
@@ -197,9 +199,7 @@ class SimDeployment:
         self._ids += 1
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         req = SimRequest(str(self._ids), prompt, params, seed=0, arrival=self._ids, loaded=hit if hit > own else 0)
-        if req.loaded:
-            self.fetched_tokens += req.loaded
-            await asyncio.sleep(disk_bytes / self.hardware.disk_bytes_per_s)  # back into host memory first
+        self.fetched_tokens += req.loaded
         done = loop.create_future()
         self._finishing[req.request_id] = done
         sim.submit(req, r)
