@@ -71,3 +71,4 @@ def test_the_public_replayer_runs_unchanged_against_the_endpoint(ray_cluster, ti
         assert cached > 0.6 * prompt
     finally:
         delete("rackserve-replayer")
+        serve.shutdown()  # the next module starts Serve on a port of its own
