@@ -1,5 +1,5 @@
-"""kv-cache-tester's trace replayer (`trace_replay_tester.py`, the public tool, unchanged: tests/
-third_party/kv_cache_tester) replays agentic traces against the endpoint over HTTP: streaming chat
+"""kv-cache-tester's trace replayer (`trace_replay_tester.py`, the public tool, unchanged: unpacked from
+tests/third_party/kv_cache_tester's archive) replays agentic traces against the endpoint over HTTP: streaming chat
 completions with `stream_options`, the model found on /v1/models, conversations growing turn by turn.
 Every request is served (or refused for the context, naming it), and the server's prefix cache serves
 most of each history."""
@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import httpx
@@ -22,7 +23,7 @@ from rackserve.bench.traces import SHIPPED
 from rackserve.serve import ingress
 from rackserve.serve.app import build, delete
 
-REPLAYER = Path(__file__).parent / "third_party" / "kv_cache_tester"
+ARCHIVE = Path(__file__).parent / "third_party" / "kv_cache_tester" / "kv-cache-tester-94f6046.tar.gz"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -37,6 +38,9 @@ def test_the_public_replayer_runs_unchanged_against_the_endpoint(ray_cluster, ti
     settings = {"model": str(tiny_checkpoint), "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "1xDEP1",
                 "kv_stores": 1, "max_inflight": 16, "store_memory_mb": 16,
                 "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 512, "state_memory_mb": 32, "kv_pool_mb": 8}}
+    replayer = tmp_path / "replayer"
+    with tarfile.open(ARCHIVE) as archive:
+        archive.extractall(replayer, filter="data")
     traces = tmp_path / "traces"
     traces.mkdir()
     for path in sorted(SHIPPED.glob("*.json"))[:2]:
@@ -46,12 +50,12 @@ def test_the_public_replayer_runs_unchanged_against_the_endpoint(ray_cluster, ti
         url = f"http://127.0.0.1:{port}"
         ingress.wait_until_serving(url)
         run = subprocess.run(
-            [sys.executable, str(REPLAYER / "trace_replay_tester.py"), "--api-endpoint", url,
+            [sys.executable, str(replayer / "trace_replay_tester.py"), "--api-endpoint", url,
              "--trace-directory", str(traces), "--output-dir", str(tmp_path / "out"),
              "--tokenizer", str(tiny_checkpoint), "--start-users", "2", "--max-users", "2", "--test-duration", "120",
              "--assessment-period", "10", "--max-context", "2500", "--max-delay", "1", "--skip-graphs", "--no-color",
              "--seed", "1"],
-            cwd=REPLAYER, capture_output=True, text=True, timeout=400)
+            cwd=replayer, capture_output=True, text=True, timeout=400)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert "Auto-detected model: tiny" in run.stdout + run.stderr
         with open(tmp_path / "out" / "detailed_results.csv") as f:
