@@ -319,7 +319,8 @@ class Simulator:
         for rank, out, plan in zip(self.ranks, outs, plans):
             for part in plan:
                 for chunk, ids in part:
-                    rank.scheduler.cache.advance(chunk.request.handle, len(ids), chunk.request.token_ids)
+                    rank.scheduler.cache.advance(chunk.request.handle, len(ids), chunk.request.token_ids,
+                                                 passing=not chunk.samples)
             n = sum(c.samples for c in out.chunks)
             outputs = rank.scheduler.update(out, RunnerOutput([SAMPLED] * n, [None] * n))
             outcome.done += [o for o in outputs if o.finished]
