@@ -187,8 +187,9 @@ def test_concurrent_submits_reach_the_decode_ranks_within_a_few_steps(deployment
         stream.close()  # aborts them
     got = [[t for out in deployment.stream(r) for t in out.new_token_ids] for r in ids]
     assert_like_single(published_fp4, prompts, got, short)
-    # one request per step would take 24 steps; batched admissions take 1-2 unloaded, a few loaded
-    assert took <= users // 2, f"{users} concurrent submits took {took} decode steps"
+    # one request per step would take 24 steps or more; batched admissions take 1-2 unloaded, and on a
+    # loaded machine the threads' calls themselves spread over several of the tiny model's short steps
+    assert took <= 3 * users // 4, f"{users} concurrent submits took {took} decode steps"
 
 
 @pytest.mark.slow

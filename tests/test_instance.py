@@ -214,13 +214,17 @@ def assert_a_death_while_the_gang_meets_is_survived(inst: Instance, checkpoint) 
 
     gang._spec = meeting
     ray.kill(inst.members[0])
-    # the request ends with the failure its client saw first: the gang's (its stream) or the restart's (its submit)
-    with pytest.raises(InstanceError, match=r"failed: DP rank 0 died|its gang did not start again \(.*\); the next"):
+    # the request ends with the failure its client saw first: the gang's (its stream) or the restart's (its
+    # submit); or, when a pump's restart came first and failed, its submit's retry found that gang down and
+    # started the gang again (the instance then serves at once)
+    with pytest.raises(InstanceError, match=r"failed: DP rank 0 died|its gang did not start again \(.*\); the next"
+                       r"|its gang did not start \(.*\); a fresh gang failed too") as caught:
         inst.generate([STAGGERED[2]], GREEDY)
-    deadline = time.monotonic() + RESTART_S
-    while not inst.down and time.monotonic() < deadline:  # the restart that found a member dead
-        time.sleep(0.1)
-    assert inst.down and "did not start" in inst.down
+    if "a fresh gang failed too" not in str(caught.value):
+        deadline = time.monotonic() + RESTART_S
+        while not inst.down and time.monotonic() < deadline:  # the restart that found a member dead
+            time.sleep(0.1)
+        assert inst.down and "did not start" in inst.down
     [again] = inst.generate([STAGGERED[2]], GREEDY)
     assert inst.down is None
     assert_like_single_process(checkpoint, [again.token_ids], slice(2, 3))
