@@ -4,6 +4,7 @@ against transformers loading the same files (`FineGrainedFP8Config(dequantize=Tr
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -15,6 +16,7 @@ from rackserve.cli import main as cli
 from rackserve.config import ConfigError
 from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.engine import LLM, SamplingParams
+from rackserve.kernels.block_scaled import dequantize
 from rackserve.models.deepseek_v4 import CheckpointError, load_model
 from rackserve.models.deepseek_v4.quantized import FP8Linear
 from rackserve.models.deepseek_v4.tiny import TINY_CONFIG, make_tiny
@@ -112,6 +114,24 @@ def test_weights_can_be_dequantized_at_load(tmp_path):
     torch.testing.assert_close(logits_of(plain), logits_of(stored), atol=1e-5, rtol=0)
     with pytest.raises(CheckpointError, match="weights='fp8'"):
         load_model(path, weights="fp8")
+
+
+@pytest.mark.parametrize("plain", ["w2", "w1|w3"], ids=["down_bf16", "gate_up_bf16"])
+def test_experts_with_one_projection_quantized_are_served_like_transformers(plain, tmp_path):
+    """FP4 gate/up beside a BF16 down projection (or the other way round): transformers serves such files,
+    and so do we, the quantized projection held dequantized (the expert kernels take both or neither)."""
+    def unquantize(tensors):
+        for name in [n for n in tensors if re.search(rf"\.experts\.\d+\.({plain})\.weight$", n)]:
+            scale = tensors.pop(name.removesuffix(".weight") + ".scale")
+            tensors[name] = dequantize(tensors[name], scale, torch.float32).to(torch.bfloat16)
+
+    path = edited(make_tiny(tmp_path / "fp4", seed=1, fmt="published", quant="fp4"), tmp_path, unquantize)
+    ours = load_model(path)
+    experts = ours.model.layers[2].mlp.experts
+    assert not experts.quantized and experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float32
+    # transformers keeps the plain projection in its stored BF16 and computes it so: fp32 math as asked
+    reference = reference_of(path).float()
+    torch.testing.assert_close(logits_of(ours), reference_logits(reference, IDS), atol=1e-4, rtol=0)
 
 
 def test_make_tiny_published_from_the_cli(tmp_path, capsys):

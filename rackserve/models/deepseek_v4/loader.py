@@ -12,6 +12,7 @@ them (one saved by transformers, which drops them) gives a model without MTP lay
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -26,9 +27,11 @@ from rackserve.models.deepseek_v4.config import ModelConfig
 from rackserve.kernels.block_scaled import ScaleGridError, block_of
 from rackserve.models.deepseek_v4.checkpoint_names import NameTable, Target
 from rackserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from rackserve.models.deepseek_v4.quantized import SCALE_SUFFIX, dequantize_modules, quantize_modules
+from rackserve.models.deepseek_v4.quantized import (SCALE_SUFFIX, dequantize_experts, dequantize_modules,
+                                                    half_quantized_experts, quantize_modules)
 from rackserve.models.moe import RoutedMoE
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MTP_PREFIX = "mtp."
 _CODE_DTYPES = (torch.float8_e4m3fn, torch.int8)
@@ -83,6 +86,12 @@ def load_checkpoint(config, files: list[Path], cls: type, dtype: torch.dtype | s
     load_weights(model, files, device, shard, skip)
     if weights == "dequantize":
         dequantize_modules(model, dtype)
+    elif half := half_quantized_experts(model):
+        # served as transformers serves them: the quantized projection dequantized (more memory, same math)
+        for name in half:
+            dequantize_experts(model.get_submodule(name), dtype)
+        log.warning("%d routed experts modules (%s, …) are stored with one projection quantized and the other "
+                    "not: the quantized one is held dequantized in %s", len(half), half[0], dtype)
     return model
 
 

@@ -16,6 +16,7 @@ from rackserve.kernels import dispatch
 from rackserve.kernels.block_scaled import dequantize
 
 SCALE_SUFFIX = "_scale_inv"
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # a routed experts module's weights
 
 
 class FP8Linear(nn.Module):
@@ -78,8 +79,25 @@ def dequantize_modules(model: nn.Module, dtype: torch.dtype) -> None:
             linear.weight.data = dense_weight(module, dtype)
             parent_name, _, child = name.rpartition(".")
             model.get_submodule(parent_name).register_module(child, linear)
-        elif getattr(module, "quantized", False):
-            for attr in ("gate_up_proj", "down_proj"):
-                value = dequantize(getattr(module, attr), getattr(module, attr + SCALE_SUFFIX), dtype)
-                delattr(module, attr + SCALE_SUFFIX)
-                module.register_parameter(attr, nn.Parameter(value, requires_grad=False))
+        elif _quantized_projections(module):
+            dequantize_experts(module, dtype)
+
+
+def _quantized_projections(module: nn.Module) -> list[str]:
+    """The projections of a routed experts module held as codes with scales ([] for any other module)."""
+    return [attr for attr in EXPERT_PROJECTIONS if hasattr(module, attr + SCALE_SUFFIX)]
+
+
+def dequantize_experts(module: nn.Module, dtype: torch.dtype) -> None:
+    """Hold a routed experts module's quantized projections as plain `dtype` tensors."""
+    for attr in _quantized_projections(module):
+        value = dequantize(getattr(module, attr), getattr(module, attr + SCALE_SUFFIX), dtype)
+        delattr(module, attr + SCALE_SUFFIX)
+        module.register_parameter(attr, nn.Parameter(value, requires_grad=False))
+
+
+def half_quantized_experts(model: nn.Module) -> list[str]:
+    """The routed experts modules of `model` whose files quantize one projection and not the other (e.g.
+    FP4 gate/up beside a BF16 down projection): the expert kernels take both quantized or neither."""
+    return [name for name, module in model.named_modules()
+            if len(_quantized_projections(module)) == 1]
