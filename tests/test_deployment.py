@@ -100,27 +100,46 @@ def test_a_dead_kv_store_and_a_dead_prefill_rank_cost_only_recomputation(ray_clu
 def kill_a_store_and_a_prefill_rank(deployment: Deployment, tiny_checkpoint) -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     # the store dies between a lookup (its prefix pinned for the prefill rank) and the prefill rank's READ
-    # of it: the READ fails to start or to finish, and the prefix is prefilled instead
-    first = prompt(70, seed=78)
-    deployment.generate([first], greedy)  # turn 1: its prompt + answer are written to the store
+    # of it, and is replaced (the ranks forget its agent): the READ fails to start, and the prefix is
+    # prefilled instead. (Before the ranks forget it, a READ on one host may still succeed: the dead
+    # store's memory stays mapped where it was read from before.) Turn 1's 60-token
+    # prompt leaves 48 tokens in the prefill rank's own cache; the store holds 64 of prompt + answer, so
+    # turn 2 (both, and more) is read from the store, not served by the rank's cache
+    first = prompt(60, seed=78)
+    [answer] = deployment.generate([first], greedy)  # turn 1: its prompt + answer are written to the store
+    turn2 = first + answer.token_ids + [7, 8, 9]
     deadline = time.monotonic() + 30
-    while ray.get(deployment.stores[0].lookup.remote(first)) is None:
+    while (ray.get(deployment.stores[0].lookup.remote(turn2)) or (0,))[0] < 64:
         assert time.monotonic() < deadline, "turn 1 never reached the store"
         time.sleep(0.1)
     lookup, hits = deployment.client._lookup, []
+    failures, replaced = totals(deployment, "prefill").get("kv_pull_failures", 0), deployment.stores_replaced
 
     def then_the_store_dies(decode_at, ids):
         hits.append(lookup(decode_at, ids))
-        ray.kill(deployment.stores[0])
+        store = deployment.stores[0]
+        ray.kill(store)
+        deadline = time.monotonic() + 30
+        while True:  # dead before the READ starts (a kill lands asynchronously): no race
+            try:
+                ray.get(store.stats.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                break
+            assert time.monotonic() < deadline, "the killed store still answers after 30 s"
+            time.sleep(0.05)
+        deployment.replace_dead_stores()  # done here or by the owner's watcher: either way, done on return
+        assert deployment.stores_replaced == replaced + 1
         return hits[-1]
 
     deployment.client._lookup = then_the_store_dies
     try:
-        [second] = deployment.generate([first + [7, 8, 9]], greedy)
+        [second] = deployment.generate([turn2], greedy)
     finally:
         deployment.client._lookup = lookup
     assert hits[0] is not None and hits[0][0] >= 64, hits  # a pinned prefix it could not read
-    assert_like_single(tiny_checkpoint, [first + [7, 8, 9]], [second.token_ids], greedy)
+    pulls = {k: v for k, v in totals(deployment, "prefill").items() if "pull" in k}
+    assert pulls["kv_pull_failures"] == failures + 1, pulls  # the READ was tried, and failed
+    assert_like_single(tiny_checkpoint, [turn2], [second.token_ids], greedy)
 
     ray.kill(deployment.stores[0])
     prompts = [prompt(n, seed=80 + n) for n in (20, 45)]
@@ -190,6 +209,34 @@ def test_concurrent_submits_reach_the_decode_ranks_within_a_few_steps(deployment
     # one request per step would take 24 steps or more; batched admissions take 1-2 unloaded, and on a
     # loaded machine the threads' calls themselves spread over several of the tiny model's short steps
     assert took <= 3 * users // 4, f"{users} concurrent submits took {took} decode steps"
+
+
+@pytest.mark.slow
+def test_a_decode_only_deployment_prefills_on_its_decode_ranks(ray_cluster, tiny_checkpoint):
+    """prefill="none": one DEP2 instance prefills what it serves, at once (no reservation waits for a push
+    that cannot come: a 60 s one would show in the time and the counters), with outputs equal to the
+    single-process engine's; a conversation's next turn finds its history cached."""
+    from rackserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"at least one decode instance, and a prefill instance unless "
+                                          r"prefill='none'"):
+        Deployment(tiny_checkpoint, prefill="0xDEP1", decode="1xDEP1")
+    dep = Deployment(tiny_checkpoint, prefill="none", decode="1xDEP2", kv_stores=1, engine_kwargs=ENGINE,
+                     store_memory_mb=16, timeout=10.0)
+    try:
+        assert not dep.prefill and not dep.stats()["prefill"]
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        prompts = [prompt(n, seed=120 + n) for n in (9, 40, 70)]
+        start = time.monotonic()
+        got = [c.token_ids for c in dep.generate(prompts, greedy)]
+        assert time.monotonic() - start < ENGINE["kv_timeout_s"]
+        assert_like_single(tiny_checkpoint, prompts, got, greedy)
+        [again] = dep.generate([prompts[2] + got[2] + [5, 6]], greedy)
+        assert again.num_cached_tokens >= 64
+        decode = totals(dep, "decode")
+        assert decode["kv_reserved"] == decode["kv_recomputed"] == 0, decode
+    finally:
+        dep.shutdown()
 
 
 @pytest.mark.slow

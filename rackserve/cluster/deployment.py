@@ -48,7 +48,7 @@ from rackserve.models import read_config, resolve
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.placement import InstanceGroup, PlacementError, TopologyError
 from rackserve.placement import plan as plan_instances
-from rackserve.placement.planner import Plan
+from rackserve.placement.planner import NO_PREFILL, Plan
 from rackserve.placement.ray_groups import alive_trays, kv_store_options, live_topology, placement_group_of
 from rackserve.timeouts import TIMEOUTS
 from rackserve.transfer.transport import RemoteRegion
@@ -112,9 +112,11 @@ class Deployment:
                  prefill_engine_kwargs: dict | None = None, decode_engine_kwargs: dict | None = None,
                  routing: RoutingConfig | None = None, store_disk_mb: float = 0.0, store_disk_path: str | None = None):
         """`prefill` / `decode`: instance shapes as the planner writes them ("2xDEP2", "DEP4",
-        "AFD2+2"); `kv_stores`: KV-store actors (0: none); `engine_kwargs`: `EngineConfig` fields of
-        every rank, with `prefill_engine_kwargs` / `decode_engine_kwargs` on top for one role (the
-        state layout, i.e. block size and dtype, must match across roles); `decode_redundant_slots`:
+        "AFD2+2"); `prefill="none"`: no prefill instances, each decode rank prefilling the requests it
+        serves (one machine, where disaggregation cannot pay); `kv_stores`: KV-store actors (0: none);
+        `engine_kwargs`: `EngineConfig` fields of every rank, with `prefill_engine_kwargs` /
+        `decode_engine_kwargs` on top for one role (the state layout, i.e. block size and dtype, must
+        match across roles); `decode_redundant_slots`:
         extra expert slots (EPLB replicas) per decode instance. With a `plan` (`placement.plan`) and
         its `placement_groups` (`placement.ray_groups`, made with `bundle_resources`), the instances
         and KV stores are the plan's, each rank and store where the plan put it; `prefill`, `decode`
@@ -123,9 +125,12 @@ class Deployment:
         `routing`: how clients route requests (`RoutingConfig`; its `index_entries` bounds the owner's
         block index too). `store_disk_mb`: each KV store's local-disk tier (`DiskTier`) under
         `store_disk_path` (default: the temporary directory of the store's node), none at 0."""
-        groups = [InstanceGroup.parse(prefill, "prefill"), InstanceGroup.parse(decode, "decode")]
-        if plan is None and (groups[0].count < 1 or groups[1].count < 1):
-            raise ConfigError(f"prefill={prefill!r}, decode={decode!r}: a deployment needs at least one of each")
+        groups = [InstanceGroup.parse(decode, "decode")] + (
+            [] if prefill == NO_PREFILL else [InstanceGroup.parse(prefill, "prefill")])
+        if plan is None and any(g.count < 1 for g in groups):
+            raise ConfigError(f"prefill={prefill!r}, decode={decode!r}: a deployment needs at least one decode "
+                              f"instance, and a prefill instance unless prefill={NO_PREFILL!r} (the decode "
+                              "instances then prefill their own requests)")
         if plan is None and kv_stores < 0:
             raise ConfigError(f"kv_stores={kv_stores} must be ≥ 0")
         self.path = str(resolve(model))

@@ -205,8 +205,11 @@ class DeploymentClient:
                 route.session, len(ids) + params.n * params.max_tokens, failed, keys, len(context),
                 prefills=prefill_down or not self.prefill)
             route.prefill = None
-        if prefill_down:  # no prefill rank to push it: the decode rank prefills it now, not after a timeout
-            self.decode[decode_at[0]].submit(ids, params, route.engine_id, rank=decode_at[1], resumed=resumed)
+        if prefill_down or not self.prefill:
+            # no prefill rank to push it (down, or a decode-only deployment): the decode rank prefills it
+            # now, not after a reservation's timeout, reading what its KV store holds of it first
+            self.decode[decode_at[0]].submit(ids, params, route.engine_id, rank=decode_at[1],
+                                             cached=self._lookup(decode_at, context), resumed=resumed)
             return
         _, reservation = self.decode[decode_at[0]].reserve(ids, params, route.engine_id, rank=decode_at[1],
                                                            resumed=resumed)

@@ -56,6 +56,9 @@ class GpuId(NamedTuple):
     gpu: int
 
 
+NO_PREFILL = "none"  # the prefill shape of a deployment without prefill instances: decode ranks prefill what they serve
+
+
 @dataclass(frozen=True)
 class InstanceGroup:
     """`count` identical instances of one role.

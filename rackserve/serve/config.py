@@ -9,7 +9,7 @@ import yaml
 
 from rackserve.cluster.request_router import RoutingConfig
 from rackserve.config import ConfigError, EngineConfig
-from rackserve.placement.planner import RANK_PROCESS_BYTES, HostDemand
+from rackserve.placement.planner import NO_PREFILL, RANK_PROCESS_BYTES, HostDemand
 
 BUILDER = "rackserve.serve.app:build"
 INGRESS_KINDS = ("proxy", "direct")  # how HTTP reaches the replicas: see `rackserve.serve.ingress`
@@ -22,10 +22,11 @@ INGRESS_FIELDS = ("served_model_name", "host", "port", "ingress", "api_key", "ma
 class ServeConfig:
     """model: "tiny" or "tiny-code" (built in) or a checkpoint directory; served_model_name: the `model`
     clients send (default: the built-in name or the checkpoint directory's name); prefill / decode: instance shapes
-    ("1xDEP2", "2xAFD2+2"); kv_stores: KV-store actors (a number), or with a topology their layout
-    ("per_tray", "per_rack", "none"); engine: `EngineConfig` fields of every rank, prefill_engine /
-    decode_engine: more of them for one role; decode_redundant_slots: extra expert slots per decode
-    instance (EPLB replicas); topology: place the instances with the rack
+    ("1xDEP2", "2xAFD2+2"; prefill "none": decode instances that prefill what they serve); kv_stores:
+    KV-store actors (a number), or with a topology their layout ("per_tray", "per_rack", "none"); engine:
+    `EngineConfig` fields of every rank, prefill_engine / decode_engine: more of them for one role;
+    decode_redundant_slots: extra expert slots per decode instance (EPLB replicas); topology: place the
+    instances with the rack
     planner on this topology ("ray": read from the cluster's node labels, else a topology file);
     bundle_resources: what one rank's placement-group bundle reserves (default {"GPU": 1});
     host, port: where the endpoint listens; ingress: "proxy" (Serve's HTTP proxy, any cluster) or
@@ -94,6 +95,9 @@ class ServeConfig:
             raise ConfigError(f"store_disk_mb={self.store_disk_mb!r} must be a number of MiB ≥ 0 (0: no disk tier)")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ConfigError(f"port={self.port!r} must be an integer in [0, 65535]")
+        if self.prefill == NO_PREFILL and self.topology is not None:
+            raise ConfigError(f"prefill={NO_PREFILL!r} with a topology: the rack planner places prefill and decode "
+                              "instances both; give a prefill shape (e.g. '1xDEP2'), or no topology")
         if self.ingress not in INGRESS_KINDS:
             raise ConfigError(f"ingress={self.ingress!r} must be one of {INGRESS_KINDS}")
 
