@@ -115,6 +115,17 @@ _PORTS = range(20000, 32768)
 _next_port = [20000 + os.getpid() % 4096]
 
 
+def metric(url: str, series: str) -> float:
+    """The value of one series of the endpoint's `/metrics` at `url`, named with its labels as Prometheus
+    writes them (e.g. 'rackserve_kv_store{kind="hit_tokens",tier="host"}')."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = next((line for line in text.splitlines() if line.startswith(series + " ")), None)
+    assert found is not None, f"{series} is not in {url}/metrics"
+    return float(found.split()[-1])
+
+
 def free_ports(n: int) -> int:
     """The first of `n` consecutive TCP ports on 127.0.0.1 that nothing listens on right now."""
     while True:

@@ -13,9 +13,11 @@ to its idle level. An ingress replica's death is `test_serve_scale_out.py`'s, a 
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
-from helpers import assert_recovered, free_port
+from helpers import assert_recovered, free_port, metric
 from ray import serve
 
 from rackserve.bench import faults
@@ -42,7 +44,7 @@ def dep_app(port, tiny_checkpoint):
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["SIGKILL decode DP rank (EPLB moving)", "SIGSTOP decode DP rank"])
 def test_a_failed_decode_gang_replays_every_stream_to_its_undisturbed_text(dep_app, fault):
-    row = faults.run_fault(dep_app, fault, faults.FAULTS[fault][1], STREAMS, OSL, PROBES)
+    row = faults.run_fault(dep_app, fault, STREAMS, OSL, PROBES)
     assert_recovered(row, replayed=True)
     health = httpx.get(f"{dep_app.url}/health", timeout=30).json()
     assert health["status"] in ("healthy", "degraded") and all(s == "ok" for s in health["instances"].values())
@@ -50,27 +52,40 @@ def test_a_failed_decode_gang_replays_every_stream_to_its_undisturbed_text(dep_a
 
 @pytest.mark.slow
 def test_a_dead_prefill_rank_costs_recomputation_not_streams(dep_app):
-    fault = "SIGKILL prefill DP rank"
-    row = faults.run_fault(dep_app, fault, faults.FAULTS[fault][1], STREAMS, OSL, PROBES)
-    assert_recovered(row, replayed=False)  # the streams decode on: their state was pushed already
+    fault = "SIGKILL prefill DP rank (prefilling)"
+    row = faults.run_fault(dep_app, fault, STREAMS, OSL, PROBES)
+    # struck while it prefilled them: their decode ranks prefill the lost ones themselves, and every stream
+    # ends with its undisturbed text (no decode rank failed: nothing to replay)
+    assert row.redone >= 1, row
+    assert_recovered(row, replayed=False)
 
 
 @pytest.mark.slow
 def test_a_dead_kv_store_is_replaced_and_caches_again(dep_app):
     fault = "SIGKILL KV store"
-    row = faults.run_fault(dep_app, fault, faults.FAULTS[fault][1], STREAMS, OSL, PROBES)
+    row = faults.run_fault(dep_app, fault, STREAMS, OSL, PROBES)
     assert_recovered(row, replayed=False)
     # the replacement is registered with the ranks: a finished request's prefix is written to it and
-    # read back by the next turn
+    # found there by the next turn (the prefill rank's own cache would serve that turn as well: what the
+    # replacement holds and hits is counted on its own)
     health = httpx.get(f"{dep_app.url}/health", timeout=30).json()
     assert health["kv_stores"] == "1/1" and health["kv_stores_replaced"] >= 1, health
+    stored, hits = (f'rackserve_kv_store{{kind="{k}",tier="host"}}' for k in ("bytes_in_use", "hit_tokens"))
+    before = metric(dep_app.url, stored)
     turn = [11 + i % 400 for i in range(80)]
     first = faults.stream(dep_app.url, turn, 4)
+    assert first.error is None
+    deadline = time.monotonic() + 60
+    while metric(dep_app.url, stored) <= before:  # the decode rank writes the finished turn
+        assert time.monotonic() < deadline, "the replacement KV store took nothing in 60 s"
+        time.sleep(0.1)
+    hit_before = metric(dep_app.url, hits)
     second = faults.stream(dep_app.url, turn + [5, 6, 7], 4)
-    assert first.error is None and second.error is None
+    assert second.error is None
     usage = httpx.post(f"{dep_app.url}/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": turn + [5, 6, 7, 8], "max_tokens": 1, "temperature": 0}).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 64, usage
+    assert metric(dep_app.url, hits) - hit_before >= 64  # found in the replacement store too
 
 
 @pytest.mark.slow
@@ -78,7 +93,7 @@ def test_a_dead_expert_rank_replays_its_instances_streams(port, tiny_checkpoint)
     app = faults.start_app("faults-afd", {**faults.APPS["afd"], "model": str(tiny_checkpoint)}, port)
     try:
         fault = "SIGKILL expert rank (AFD)"
-        row = faults.run_fault(app, fault, faults.FAULTS[fault][1], STREAMS, OSL, PROBES)
+        row = faults.run_fault(app, fault, STREAMS, OSL, PROBES)
         assert_recovered(row, replayed=True)
     finally:
         delete(app.name)

@@ -8,10 +8,11 @@ scales differ from block to block and a scale read for the wrong block shows.
 
 Tolerances of the kernels, relative to the largest reference magnitude:
 - fp32 activations: 1e-5 (observed ≤ 1e-6: both sum the same fp32 products in other orders).
-- bf16 activations: 2e-2. The kernels multiply bit for bit the reference's bf16 weights and accumulate
-  in fp32. The linear is off by a last-bit flip of the output at most (observed ≤ 2.2e-4); the MoE
-  reference rounds gate/up, h, each expert's output and the sum over k to bf16, the kernels only h
-  and the result (observed ≤ 1.1e-2), and against fp32 math on the same bf16 weights 1e-2 (≤ 5.7e-3).
+- bf16 activations, per kernel. The kernels multiply bit for bit the reference's bf16 weights and
+  accumulate in fp32. The linear (plain and grouped) is off by a last-bit flip of the output at most:
+  2^-8, one bf16 ulp at the largest magnitude (observed ≤ 2.2e-4); the MoE reference rounds gate/up, h,
+  each expert's output and the sum over k to bf16, the kernels only h and the result: 2e-2 (observed
+  ≤ 1.1e-2), and against fp32 math on the same bf16 weights 1e-2 (≤ 5.7e-3).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from rackserve.kernels.block_scaled import (UE8M0, ScaleGridError, block_of, deq
 from rackserve.kernels.moe import moe_ffn_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+LINEAR_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-8}
+MOE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 SCALES = pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32_scales", "ue8m0_scales"])
 
@@ -167,7 +169,7 @@ def test_fp8_linear_matches_reference(num_tokens, fmt, ue8m0, dtype):
     ref = fp8_linear_torch(x, codes, scales)
     out = block_scaled.fp8_linear_triton(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE))
     assert out.dtype == dtype and out.shape == (num_tokens, n)
-    assert rel_err(out, ref) <= TOLERANCE[dtype]
+    assert rel_err(out, ref) <= LINEAR_TOLERANCE[dtype]
 
 
 def test_fp8_linear_edge_inputs(monkeypatch):
@@ -197,10 +199,10 @@ def test_grouped_fp8_linear_matches_reference(num_tokens, dtype):
     x = torch.randn(num_tokens, groups, k, generator=g).to(dtype)
     ref = fp8_linear_torch(x, codes, scales)
     want = torch.einsum("tgk,gnk->tgn", x.float(), dequantize(codes, scales, torch.float32))
-    assert ref.shape == (num_tokens, groups, n) and rel_err(ref, want) <= TOLERANCE[dtype]
+    assert ref.shape == (num_tokens, groups, n) and rel_err(ref, want) <= LINEAR_TOLERANCE[dtype]
     out = block_scaled.fp8_linear_triton(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE))
     assert out.dtype == dtype and out.shape == (num_tokens, groups, n)
-    assert rel_err(out, ref) <= TOLERANCE[dtype]
+    assert rel_err(out, ref) <= LINEAR_TOLERANCE[dtype]
     with pytest.raises(ValueError, match=r"want x \[T, 3, 64\]"):
         block_scaled.fp8_linear_triton(x[:, :2].to(DEVICE), codes.to(DEVICE), scales.to(DEVICE))
 
@@ -249,7 +251,7 @@ def test_moe_ffn_quantized_matches_reference(case, formats, ue8m0, dtype):
     ref = moe_ffn_quantized_torch(*inputs, limit)
     out = block_scaled.moe_ffn_quantized_triton(*(t.to(DEVICE) for t in inputs), limit)
     assert out.dtype == dtype and out.shape == inputs[0].shape
-    assert rel_err(out, ref) <= TOLERANCE[dtype]
+    assert rel_err(out, ref) <= MOE_TOLERANCE[dtype]
     if dtype == torch.bfloat16:
         # the reference rounds at every step, so also check against fp32 math on the same bf16 weights
         x, ids, weights, gate_up, gate_up_scales, down, down_scales = inputs

@@ -33,7 +33,7 @@ def test_losing_a_tray_replays_its_streams_elsewhere_and_replans_its_instance(ra
         before = ray.get(app.plane.trays.remote())
         lost = before["decode-DEP2-1"][0]
         assert lost != "rack0/tray0" and before["decode-DEP2-0"][0] == "rack0/tray0", before
-        row = faults.run_fault(app, FAULT, faults.FAULTS[FAULT][1], STREAMS, OSL, PROBES)
+        row = faults.run_fault(app, FAULT, STREAMS, OSL, PROBES)
         assert_recovered(row, replayed=None)
         assert 0 < row.replayed < row.streams, row  # the lost instance's streams, on the other one
 

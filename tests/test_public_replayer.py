@@ -14,9 +14,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-import httpx
 import pytest
-from helpers import free_port
+from helpers import free_port, metric
 from ray import serve
 
 from rackserve.bench.traces import SHIPPED
@@ -26,10 +25,6 @@ from rackserve.serve.app import build, delete
 ARCHIVE = Path(__file__).parent / "third_party" / "kv_cache_tester" / "kv-cache-tester-94f6046.tar.gz"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def metric(text: str, name: str) -> float:
-    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
 def test_the_public_replayer_runs_unchanged_against_the_endpoint(ray_cluster, tiny_checkpoint, tmp_path):
@@ -67,11 +62,9 @@ def test_the_public_replayer_runs_unchanged_against_the_endpoint(ray_cluster, ti
         assert len(refused) == len(rows) - len(ok) and all("context" in e for e in refused), refused
         assert len(ok) >= 10 and all(int(r["output_tokens_actual"]) > 0 for r in ok)
         assert len({r["trace_id"] for r in ok}) == 2  # both conversations replayed
-        text = httpx.get(f"{url}/metrics").text
-        served = metric(text, 'rackserve_requests_total{endpoint="chat",status="200"}')
-        assert served == len(ok)
+        assert metric(url, 'rackserve_requests_total{endpoint="chat",status="200"}') == len(ok)
         # each turn resends the conversation so far: most of it comes from the prefix cache
-        cached, prompt = (metric(text, f"rackserve_{k}_total") for k in ("cached_prompt_tokens", "prompt_tokens"))
+        cached, prompt = (metric(url, f"rackserve_{k}_total") for k in ("cached_prompt_tokens", "prompt_tokens"))
         assert cached > 0.6 * prompt
     finally:
         delete("rackserve-replayer")

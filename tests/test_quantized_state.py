@@ -21,7 +21,8 @@ from rackserve.engine import LLM, SamplingParams
 from rackserve.kernels import dispatch
 from rackserve.models import load_model
 from rackserve.models.deepseek_v4 import ForwardBatch
-from rackserve.models.deepseek_v4.config import HCA
+from rackserve.models.deepseek_v4.config import CSA, HCA, SLIDING
+from rackserve.models.deepseek_v4.tiny import make_tiny
 
 LENGTHS = (300, 137, 64, 211)  # ragged; 300 tokens cross 75 CSA and 18 HCA boundaries of the tiny model
 CHUNK = 8  # tokens per request per step: every window and carry is read back from the state many times
@@ -112,6 +113,25 @@ def test_stored_entries_are_within_the_fp8_rounding_bound(tiny):
     blocks = want.view(want.shape[0], -1, fmt.block)
     floor = (blocks.abs().amax(-1, keepdim=True) / 448 * 2**-10).expand_as(blocks).reshape_as(want)
     assert ((got - want).abs() <= want.abs() * 2**-4 + floor).all()
+    assert not torch.equal(got, want)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp8-fp4", "fp4"])
+def test_stored_fp4_indexer_keys_are_within_their_rounding_bound(state_dtype, tmp_path):
+    """A model whose first layer is CSA: its indexer keys (pooled from the embeddings alone, so the same
+    in both runs before storing) decode to within half an FP4 e2m1 step of the model-dtype keys: 2⁻²
+    relative, and a quarter of the block's scale near zero (the e2m1 step there is half a scale). The
+    scale is amax / 6 in fp32, at most twice that rounded up to a power of two (UE8M0)."""
+    model = load_model(make_tiny(tmp_path, seed=0, config={"layer_types": [CSA, SLIDING, CSA, HCA, CSA]}))
+    exact, quantised = (run_chunked(model, sd, lengths=(300,))[1].state for sd in ("auto", state_dtype))
+    want = exact.index_key_rows(0)[:300 // model.config.csa_compress_rate]
+    fmt = quantised.key_format
+    assert fmt.kind == "fp4"
+    got = quantised.index_key_rows(0)[torch.arange(want.shape[0])]
+    blocks = want.view(want.shape[0], -1, fmt.block)
+    scale = blocks.abs().amax(-1, keepdim=True) / 6 * (2 if fmt.scale == "ue8m0" else 1)
+    floor = (scale / 4).expand_as(blocks).reshape_as(want)
+    assert ((got - want).abs() <= want.abs() * 2**-2 + floor * (1 + 1e-6)).all()
     assert not torch.equal(got, want)
 
 

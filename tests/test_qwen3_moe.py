@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -301,20 +302,34 @@ def single_process(checkpoint) -> list[list[int]]:
 @pytest.mark.slow
 def test_pd_deployment_equals_the_single_process_engine(ray_cluster, checkpoint, reference):
     """Prefill on a DEP1 instance, state pushed over NIXL to a DEP2 decode instance re-placing experts,
-    with a KV store (a KV cache has no slot tensors: its prefix snapshots cost nothing); a repeated
-    prompt is then read from the store."""
+    with a KV store (a KV cache has no slot tensors: its prefix snapshots cost nothing); a conversation's
+    next turn then reads its history from the store (the prefill rank keeps no prefix cache of its own here)."""
+    import ray
+
     from rackserve.cluster.deployment import Deployment
 
     dep = Deployment(checkpoint, prefill="1xDEP1", decode="1xDEP2", kv_stores=1,
                      engine_kwargs={**RAY_ENGINE, "kv_timeout_s": 60.0}, timeout=10.0,
-                     decode_engine_kwargs={"eplb_interval": 2})
+                     prefill_engine_kwargs={"prefix_caching": False}, decode_engine_kwargs={"eplb_interval": 2})
     try:
         got = [c.token_ids for c in dep.generate(RAY_PROMPTS, GREEDY)]
         assert_same_greedy(reference, RAY_PROMPTS, got, single_process(checkpoint))
         decode = [m for inst in dep.stats()["decode"] for m in inst["members"]]
         assert sum(m["kv_loaded"] for m in decode) == len(RAY_PROMPTS)  # every state was pushed
-        [again] = dep.generate([RAY_PROMPTS[2]], GREEDY)
-        assert again.token_ids == got[2] and again.num_cached_tokens > 0  # its prefix came from the store
+        turn2 = RAY_PROMPTS[2] + got[2] + [5, 6, 7]  # the store holds prompt + answer, written at the end
+        deadline = time.monotonic() + 60
+        while ray.get(dep.stores[0].lookup.remote(turn2)) is None:  # its decode rank writes it
+            assert time.monotonic() < deadline, "the finished request never reached the store"
+            time.sleep(0.1)
+        [again] = dep.generate([turn2], GREEDY)
+        [want] = LLM(checkpoint, **RAY_ENGINE).generate([turn2], GREEDY)
+        assert_same_greedy(reference, [turn2], [again.token_ids], [want.token_ids])
+        assert again.num_cached_tokens > 0
+        # its prefix came from the store: the store hit it and the prefill rank read that many tokens
+        [store] = dep.stats()["kv_stores"]
+        prefill = [m for inst in dep.stats()["prefill"] for m in inst["members"]]
+        assert store["hit_tokens"] >= again.num_cached_tokens
+        assert sum(m["kv_pulled_tokens"] for m in prefill) == again.num_cached_tokens
     finally:
         dep.shutdown()
 

@@ -325,12 +325,34 @@ def test_a_client_leaving_mid_stream_frees_its_state(server):
 @pytest.mark.slow
 def test_a_client_leaving_before_its_first_token_frees_its_state(server):
     baseline = {role: state_in_use(server, role) for role in ("prefill", "decode")}
-    body = {"model": "tiny", "prompt": [7 + i % 400 for i in range(1500)], "max_tokens": 200, "stream": True}
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}) as http:
-        for _ in range(3):  # gone 50 ms after sending it: while it is routed, reserved or prefilled
-            with pytest.raises(httpx.ReadTimeout):
-                with http.stream("POST", "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.05)) as r:
-                    next(r.iter_lines())
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    async def leave_while_prefilled(prompt: list[int]) -> bool:
+        """Send `prompt`, and leave once the prefill rank holds its state; whether that was before its first
+        token (the state being tested was reached)."""
+        loop = asyncio.get_running_loop()
+        async with httpx.AsyncClient(base_url=server, headers=auth, timeout=60) as client:
+            async def read() -> None:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            return  # a token came: too late to leave before it
+
+            reading, deadline = asyncio.create_task(read()), loop.time() + 30
+            held = False
+            while not reading.done() and not held and loop.time() < deadline:
+                held = await asyncio.to_thread(state_in_use, server, "prefill") > baseline["prefill"]
+                await asyncio.sleep(0 if held else 0.02)
+            caught = held and not reading.done()
+            reading.cancel()  # the connection closes
+            await asyncio.gather(reading, return_exceptions=True)
+            return caught
+
+    # distinct prompts (a repeat would hit the prefix cache and prefill nothing), 6 prefill steps each
+    caught = [asyncio.run(leave_while_prefilled([7 + (i * (3 + k)) % 400 for i in range(1500)])) for k in range(3)]
+    assert any(caught), "no request was caught while its prompt was prefilled"
+    with httpx.Client(base_url=server, headers=auth) as http:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(state_in_use(server, role) > used for role, used in baseline.items()):
             time.sleep(0.2)

@@ -2,14 +2,17 @@
 direct ingress: each replica also answers on a port of its own from the cluster's range, so a test can
 pick the replica).
 
-The deployment: prefill DEP1, decode DEP2 and two KV stores, so each decode rank writes to a store of
-its own and a cache hit on a second turn shows the turn reached the first turn's decode rank.
+The deployment: prefill DEP1, decode DEP2 and two KV stores, so each decode rank writes to a store of its
+own, routed by session (policy "session": a session's turns go to its rank by the session id alone, so
+a replica that lost the session's rank would show); which decode rank took a turn is read from the ranks'
+reservation counters.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -33,8 +36,8 @@ def endpoint(ray_cluster, tiny_checkpoint):
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     settings = {"model": str(tiny_checkpoint), "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "1xDEP2",
-                "kv_stores": 2, "store_memory_mb": 16, "engine": ENGINE, "num_ingress_replicas": 2,
-                "ingress": "direct", "port": ray_cluster.direct_port}
+                "kv_stores": 2, "store_memory_mb": 16, "engine": ENGINE, "num_ingress_replicas": 2, "ingress": "direct",
+                "routing": {"policy": "session"}, "port": ray_cluster.direct_port}
     serve.run(build(settings), name=APP, route_prefix="/scale")
     plane = ray.get_actor(data_plane_name(ServeConfig.from_dict(settings), APP), namespace=NAMESPACE)
     yield f"http://127.0.0.1:{port}/scale", settings, plane
@@ -60,6 +63,19 @@ def replicas(ray_cluster, count: int = 2, other_than: frozenset = frozenset(), t
             return found
         assert time.monotonic() < deadline, f"{count} replicas did not answer in {timeout:.0f} s: {found}"
         time.sleep(1.0)
+
+
+def decode_rank_of(plane, turn: Callable[[], httpx.Response]) -> tuple[int, dict]:
+    """Run `turn` (one request, nothing else running) and say which decode rank reserved it: (its index
+    among the decode ranks, the response's JSON)."""
+    def reserved() -> list[int]:
+        return [m["kv_reserved"] for inst in ray.get(plane.stats.remote())["decode"] for m in inst["members"]]
+
+    before = reserved()
+    body = turn().json()
+    took = [i for i, (a, b) in enumerate(zip(before, reserved())) if b > a]
+    assert len(took) == 1, (before, took)
+    return took[0], body
 
 
 def greedy_text(checkpoint, prompt: str, max_tokens: int) -> str:
@@ -102,19 +118,26 @@ def test_two_replicas_stream_concurrently_and_both_take_traffic(endpoint, ray_cl
 
 @pytest.mark.slow
 def test_a_sessions_turns_through_either_replica_reach_its_ranks_and_cache(endpoint, ray_cluster):
+    """Each session's second turn, sent to the other replica, reaches the decode rank of its first turn
+    (by the OpenAI `user` field, then by the X-Session-Id header) and finds its history cached."""
+    _, _, plane = endpoint
     a, b = replicas(ray_cluster).values()
-    turn1 = completion(a, prompt="The rack hums a long and steady tune " * 4, max_tokens=12, user="chat-42").json()
-    history = "The rack hums a long and steady tune " * 4 + turn1["choices"][0]["text"]
-    time.sleep(1.0)  # the decode rank writes the finished turn to its KV store
-    turn2 = completion(b, prompt=history + " and then", max_tokens=4, user="chat-42").json()
-    assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    first = "The rack hums a long and steady tune " * 4
+    rank1, turn1 = decode_rank_of(plane, lambda: completion(a, prompt=first, max_tokens=12, user="chat-42"))
+    history = first + turn1["choices"][0]["text"]
+    rank2, turn2 = decode_rank_of(plane, lambda: completion(b, prompt=history + " and then", max_tokens=4,
+                                                            user="chat-42"))
+    assert rank2 == rank1 and turn2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     # the same through the session header, and from the other replica first
-    turn1 = completion(b, prompt="Fans spin in the cold aisle " * 4, max_tokens=12, user="x").json()
-    history = "Fans spin in the cold aisle " * 4 + turn1["choices"][0]["text"]
-    time.sleep(1.0)
-    cached = httpx.post(f"{a}/v1/completions", timeout=120, headers={"X-Session-Id": "x"},
-                        json={"model": "tiny", "prompt": history + " again", "max_tokens": 4, "temperature": 0})
-    assert cached.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    first = "Fans spin in the cold aisle " * 4
+    rank1, turn1 = decode_rank_of(plane, lambda: httpx.post(
+        f"{b}/v1/completions", timeout=120, headers={"X-Session-Id": "x"},
+        json={"model": "tiny", "prompt": first, "max_tokens": 12, "temperature": 0}))
+    history = first + turn1["choices"][0]["text"]
+    rank2, turn2 = decode_rank_of(plane, lambda: httpx.post(
+        f"{a}/v1/completions", timeout=120, headers={"X-Session-Id": "x"},
+        json={"model": "tiny", "prompt": history + " again", "max_tokens": 4, "temperature": 0}))
+    assert rank2 == rank1 and turn2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def stream_tokens(url: str, prompt: str, max_tokens: int, started: threading.Event, result: dict) -> None:

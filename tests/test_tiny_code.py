@@ -34,6 +34,13 @@ def tok():
     return Tokenizer(CODE)
 
 
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import DeepseekV4ForCausalLM
+
+    return DeepseekV4ForCausalLM.from_pretrained(CODE, dtype=torch.float32).eval()
+
+
 def test_the_shipped_files_load_with_every_feature_and_the_mtp_layer(model):
     c = model.config
     assert {SLIDING, CSA, HCA} <= set(c.layer_types) and {"hash_moe", "moe"} <= set(c.mlp_layer_types)
@@ -50,10 +57,7 @@ def test_the_tokenizer_round_trips_the_corpus_characters(tok):
     assert tok.vocab_size == 4096 and (tok.bos_id, tok.eos_id) == (0, 1)
 
 
-def test_it_is_exact_against_transformers(model, tok):
-    from transformers import DeepseekV4ForCausalLM
-
-    reference = DeepseekV4ForCausalLM.from_pretrained(CODE, dtype=torch.float32).eval()
+def test_it_is_exact_against_transformers(model, tok, reference):
     # ≤ 64 tokens: at most 16 CSA entries, all kept by index_topk = 16, so no tie can matter
     ids = tok.encode(held_out_prompts(1, chars=400)[0])[:64]
     with torch.no_grad():
@@ -79,11 +83,19 @@ def test_it_has_learned_the_held_out_code(model, tok):
     assert sum(losses) / len(losses) < 0.6 * entropy, (losses, entropy)
 
 
-def test_greedy_completion_of_a_fixed_prompt_is_the_recorded_one(tok):
+def test_greedy_completion_of_a_fixed_prompt_is_the_recorded_one(tok, reference):
     params = SamplingParams(max_tokens=24, temperature=0.0)
     [c] = LLM("tiny-code").generate(PROMPT, params)
     ids = tok.encode(PROMPT)
-    assert_same_tokens(CODE, [ids], [c.token_ids], [FIBONACCI], params)
+    assert len(ids) + len(FIBONACCI) <= 64  # as above: no CSA selection tie can matter
+
+    def judge(forced: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return reference(torch.tensor([forced])).logits[0]
+
+    # a departure from the recording is judged by transformers, not by the runtime's own model (which
+    # would pass any consistent change of its logits): only a near-tie of the reference's may differ
+    assert_same_tokens(CODE, [ids], [c.token_ids], [FIBONACCI], params, teacher=judge)
 
 
 def test_mtp_drafts_are_accepted_and_change_nothing(tok):

@@ -18,7 +18,9 @@ Per fault, in turn:
    from the same requests run once before the fault;
 3. once every stream has its first text, the fault: SIGKILL of a decode DP rank (with EPLB moving
    experts every other step, so within a step of a move), SIGSTOP of a decode DP rank (found by the
-   gang's timeout; the restart kills it), SIGKILL of the prefill DP rank, of the KV store, of the
+   gang's timeout; the restart kills it), SIGKILL of the prefill DP rank (struck instead while it
+   prefills the streams' prompts, of PREFILL_PROMPT_LEN tokens, new to every cache: their undisturbed
+   text is then taken after the row), of the KV store, of the
    expert rank of the split instance, of the ingress replica that took the first stream; the loss of
    the node (tray) of the second decode instance, with its KV store (Ray declares the node dead after
    its health checks miss, ~15 s; the instance is re-planned onto the free tray, the store replaced
@@ -32,7 +34,11 @@ Per fault, in turn:
 6. TTFT after: p50 of --probes once recovered and every instance serves again (its gang restarted,
    re-planned or not; up to 120 s) (target: within 1.5x of before), the push failures and
    the reservations recomputed on decode ranks during those requests (target: 0 each), and whether
-   the decode instances' state memory in use came back to its idle level (nothing leaked).
+   the decode instances' state memory in use came back to its idle level and no prefill rank still holds a
+   request 60 s on (nothing leaked, nothing stuck); "redone": the reservations the decode ranks gave up
+   during the fault and prefilled themselves (a prefill rank lost with the prompts it held). A stream
+   without its first text 60 s after it was sent ends the run with an error: the fault would not strike
+   it in flight.
 
 The last line of output is one JSON object.
 """
@@ -71,6 +77,8 @@ APPS = {
              "ingress_resources": {"node:__internal_head__": 0.001}},
 }
 PROMPT_LEN = 24
+# a prefill rank's fault strikes while it prefills: 8 such prompts take it 32 steps of 256 tokens
+PREFILL_PROMPT_LEN = 1024
 TTFT_TARGET = 1.5  # TTFT p50 after recovery within this many times the TTFT before
 
 
@@ -117,7 +125,8 @@ class Row:
     ttft_after_ms: float
     push_failures_after: int
     recomputed_after: int
-    memory_back: bool
+    redone: int  # reservations the decode ranks prefilled themselves during the fault (its push never came)
+    memory_back: bool  # the decode state in use back to its idle bytes, and no prefill rank holding a request
     # the streams that completed with other text: "index (greedy | seeded, n choices): where the texts part"
     differences: tuple[str, ...] = ()
 
@@ -203,8 +212,8 @@ def ttft_p50(url: str, probes: int) -> float:
     return percentile(times, 50)
 
 
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    return [[(seed * 7919 + i * 131 + j * 17) % 500 + 3 for j in range(PROMPT_LEN)] for i in range(n)]
+def prompts(n: int, seed: int = 0, length: int = PROMPT_LEN) -> list[list[int]]:
+    return [[(seed * 7919 + i * 131 + j * 17) % 500 + 3 for j in range(length)] for i in range(n)]
 
 
 def run_streams(url: str, batch: list[list[int]], osl: int) -> list[tuple[Outcome, threading.Thread]]:
@@ -239,13 +248,16 @@ def decode_state_in_use(app: App) -> int:
     return sum(m.get("state_bytes_in_use", 0) - m.get("state_bytes_cached", 0) for m in _members(app, "decode"))
 
 
-def settle(app: App, timeout: float = 60.0) -> None:
+def settle(app: App, timeout: float = 60.0) -> bool:
     """Wait until no prefill rank holds a request: one submitted during the fault may still be prefilled
-    for a reservation that expired meanwhile (the decode rank recomputed it), and its push fail then."""
+    for a reservation that expired meanwhile (the decode rank recomputed it), and its push fail then.
+    False if one still does after `timeout` s (what it holds is not given back: the row says so)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(m.get("running", 0) + m.get("waiting", 0)
-                                              for m in _members(app, "prefill")):
+    while any(m.get("running", 0) + m.get("waiting", 0) for m in _members(app, "prefill")):
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.2)
+    return True
 
 
 def until_every_instance_serves(app: App, timeout: float = 120.0) -> None:
@@ -315,36 +327,70 @@ def lose_decode_node(app: App, outs: list[Outcome]) -> None:
     app.cluster.remove_tray(*tray.split("/"))
 
 
-FAULTS: dict[str, tuple[str, Callable[[App, list[Outcome]], None]]] = {
-    "SIGKILL decode DP rank (EPLB moving)": ("dep", kill_decode_rank),
-    "SIGSTOP decode DP rank": ("dep", freeze_decode_rank),
-    "SIGKILL prefill DP rank": ("dep", kill_prefill_rank),
-    "SIGKILL KV store": ("dep", kill_kv_store),
-    "SIGKILL expert rank (AFD)": ("afd", kill_expert_rank),
-    "SIGKILL ingress replica (1 of 2)": ("ingress", kill_ingress_replica),
-    "node loss (a decode tray)": ("node", lose_decode_node),
+@dataclass(frozen=True)
+class Fault:
+    """One fault of the matrix: the app it runs on, how it is injected, and when it strikes: "decoding"
+    (once every stream has its first text) or "prefilling" (once the prefill rank holds the streams' long
+    prompts, before their first text)."""
+
+    app: str
+    inject: Callable[[App, list[Outcome]], None]
+    strike: str = "decoding"
+
+
+FAULTS: dict[str, Fault] = {
+    "SIGKILL decode DP rank (EPLB moving)": Fault("dep", kill_decode_rank),
+    "SIGSTOP decode DP rank": Fault("dep", freeze_decode_rank),
+    "SIGKILL prefill DP rank (prefilling)": Fault("dep", kill_prefill_rank, strike="prefilling"),
+    "SIGKILL KV store": Fault("dep", kill_kv_store),
+    "SIGKILL expert rank (AFD)": Fault("afd", kill_expert_rank),
+    "SIGKILL ingress replica (1 of 2)": Fault("ingress", kill_ingress_replica),
+    "node loss (a decode tray)": Fault("node", lose_decode_node),
 }
 
 
-def run_fault(app: App, fault: str, inject: Callable[[App, list[Outcome]], None], streams: int, osl: int, probes: int,
-              hang_s: float = 180.0, seed: int = 0) -> Row:
-    """One row of the matrix (see the module docstring) on a running `app`."""
-    batch = prompts(streams, seed)
-    undisturbed = run_streams(app.url, batch, osl)
-    for _, thread in undisturbed:
+def undisturbed_texts(url: str, batch: list[list[int]], osl: int) -> list[str]:
+    """The streams' texts with no fault."""
+    runs = run_streams(url, batch, osl)
+    for _, thread in runs:
         thread.join()
-    if any(out.error for out, _ in undisturbed):
-        raise RuntimeError(f"a request failed before the fault: {[o.error for o, _ in undisturbed if o.error]}")
-    expected = [out.text for out, _ in undisturbed]
+    if any(out.error for out, _ in runs):
+        raise RuntimeError(f"a request failed with no fault: {[o.error for o, _ in runs if o.error]}")
+    return [out.text for out, _ in runs]
+
+
+def until_struck(app: App, runs: list[tuple[Outcome, threading.Thread]], strike: str) -> None:
+    """Return once the streams are where the fault must strike them: all with their first text
+    ("decoding"), or on the prefill rank with none of them decoding yet ("prefilling")."""
+    if strike == "prefilling":
+        deadline = time.monotonic() + 60
+        while not any(m.get("running", 0) + m.get("waiting", 0) for m in _members(app, "prefill")):
+            if any(out.started.is_set() for out, _ in runs) or time.monotonic() > deadline:
+                raise RuntimeError("the prefill rank held none of the streams' prompts before their first text")
+            time.sleep(0.01)
+        return
+    late = [i for i, (out, _) in enumerate(runs) if not out.started.wait(60) or out.error]
+    if late:  # the fault would not strike them in flight: the row would not measure it
+        raise RuntimeError(f"streams {late} got no first text within 60 s, before the fault "
+                           f"({[runs[i][0].error for i in late]}); see the app's logs")
+
+
+def run_fault(app: App, fault: str, streams: int, osl: int, probes: int, hang_s: float = 180.0, seed: int = 0) -> Row:
+    """One row of the matrix (see the module docstring) on a running `app`: fault `fault` of `FAULTS`."""
+    spec = FAULTS[fault]
+    prefilling = spec.strike == "prefilling"
+    batch = prompts(streams, seed, PREFILL_PROMPT_LEN if prefilling else PROMPT_LEN)
+    # struck while prefilling, the prompts must be new to every cache: their undisturbed run comes after
+    expected = None if prefilling else undisturbed_texts(app.url, batch, osl)
     before = ttft_p50(app.url, probes)
     idle = decode_state_in_use(app)
     replays = replayed(app) if app.replicas == 1 else None
+    redone = recomputed(app)
     runs = run_streams(app.url, batch, osl)
-    for out, _ in runs:
-        out.started.wait(60)
+    until_struck(app, runs, spec.strike)
     in_flight = sum(not out.done for out, _ in runs)
     fault_at = time.monotonic()
-    inject(app, [out for out, _ in runs])
+    spec.inject(app, [out for out, _ in runs])
     while True:  # until a new request gets through
         probe = stream(app.url, prompts(1, seed + 1000)[0], 1, timeout=60)
         if probe.error is None and probe.tokens == 1:
@@ -356,13 +402,15 @@ def run_fault(app: App, fault: str, inject: Callable[[App, list[Outcome]], None]
         thread.join(max(0.0, deadline - time.monotonic()))
     outs = [out for out, _ in runs]
     until_every_instance_serves(app)
-    settle(app)
+    settled = settle(app)
+    redone = recomputed(app) - redone
+    expected = expected or undisturbed_texts(app.url, batch, osl)
     failures, recomputes = push_failures(app), recomputed(app)
     after = ttft_p50(app.url, probes)
     failures, recomputes = push_failures(app) - failures, recomputed(app) - recomputes
     memory_back = False
     until = time.monotonic() + 30
-    while time.monotonic() < until and not memory_back:
+    while settled and time.monotonic() < until and not memory_back:
         memory_back = decode_state_in_use(app) <= idle
         time.sleep(0.5)
     return Row(fault, app.name, streams, in_flight,
@@ -371,7 +419,7 @@ def run_fault(app: App, fault: str, inject: Callable[[App, list[Outcome]], None]
                errored=sum(o.done and o.error is not None for o in outs), hung=sum(not o.done for o in outs),
                replayed=None if replays is None else round(replayed(app) - replays), recovery_s=recovery,
                ttft_before_ms=before, ttft_after_ms=after, push_failures_after=failures, recomputed_after=recomputes,
-               memory_back=memory_back,
+               redone=redone, memory_back=memory_back,
                differences=tuple(_difference(i, o.text, want) for i, (o, want) in enumerate(zip(outs, expected))
                                  if o.done and o.error is None and o.text != want))
 
@@ -392,13 +440,13 @@ def _sampling(index: int) -> tuple[int | None, int]:
 def table(rows: list[Row]) -> str:
     header = (f"{'fault':<38} {'streams':>7} {'flight':>6} {'same':>5} {'other':>5} {'error':>5} {'hung':>5} {'replayed':>8} "
               f"{'recovery s':>10} {'TTFT before':>11} {'after ms':>9} {'ratio':>6} {'push fail':>9} {'recomp':>6} "
-              f"{'memory':>7}")
+              f"{'redone':>6} {'memory':>7}")
     lines = [header, "-" * len(header)]
     for r in rows:
         replays = "-" if r.replayed is None else r.replayed
         lines.append(f"{r.fault:<38} {r.streams:>7} {r.in_flight:>6} {r.completed:>5} {r.differed:>5} {r.errored:>5} {r.hung:>5} "
                      f"{replays:>8} {r.recovery_s:>10.1f} {r.ttft_before_ms:>11.0f} {r.ttft_after_ms:>9.0f} "
-                     f"{r.ttft_ratio:>6.2f} {r.push_failures_after:>9} {r.recomputed_after:>6} "
+                     f"{r.ttft_ratio:>6.2f} {r.push_failures_after:>9} {r.recomputed_after:>6} {r.redone:>6} "
                      f"{'idle' if r.memory_back else 'HELD':>7}")
     return "\n".join(lines)
 
@@ -423,10 +471,10 @@ def main(argv: list[str] | None = None) -> dict:
             for name, settings in APPS.items():
                 app = start_app(f"faults-{name}", settings, args.port, cluster)
                 try:
-                    for i, (fault, (where, inject)) in enumerate(FAULTS.items()):
-                        if where == name:
-                            rows.append(run_fault(app, fault, inject, args.streams, args.osl, args.probes,
-                                                  args.hang_s, seed=i))
+                    for i, (fault, spec) in enumerate(FAULTS.items()):
+                        if spec.app == name:
+                            rows.append(run_fault(app, fault, args.streams, args.osl, args.probes, args.hang_s,
+                                                  seed=i))
                 finally:
                     delete(app.name)
                     cluster.restore()
