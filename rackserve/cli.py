@@ -347,10 +347,10 @@ def _serve(args: argparse.Namespace) -> int:
     from rackserve.cluster.ray_env import WORKER_ENV
     from rackserve.serve import ingress
     from rackserve.serve.app import build
-    from rackserve.serve.config import ServeConfig
+    from rackserve.serve.config import QUICK_START, ServeConfig
     from rackserve.serve.drain import stop
 
-    config = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
+    config = ServeConfig.from_yaml(args.config) if args.config else ServeConfig(**QUICK_START)
     # a cluster started here can serve directly (its environment is ours); a running one as it was started
     kind = args.ingress or ("direct" if args.address is None else None)
     overrides = {k: v for k, v in (("model", args.model), ("host", args.host), ("port", args.port),
@@ -363,8 +363,8 @@ def _serve(args: argparse.Namespace) -> int:
             os.environ.update(ingress.direct_ingress_env(config.port, config.num_ingress_replicas, load_balanced=False))
     ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
     url = ingress.start(config)
-    print(f"starting the {config.prefill} prefill + {config.decode} decode deployment of {config.model_name!r} ...",
-          flush=True)
+    shape = f"{config.decode} decode" + ("" if config.prefill == "none" else f" + {config.prefill} prefill")
+    print(f"starting the {shape} deployment of {config.model_name!r} ...", flush=True)
     serve.run(build(config.to_dict()), name="rackserve", route_prefix="/")
     ingress.wait_until_serving(url)
     # SIGTERM (Kubernetes, systemd) and Ctrl-C drain the app; a second one skips the rest of the drain,

@@ -22,6 +22,7 @@ from rackserve.engine import LLM, SamplingParams
 from rackserve.models.tokenizer import ChatOptions, Tokenizer
 from rackserve.serve import ingress
 from rackserve.serve.app import build, delete
+from rackserve.serve.config import QUICK_START
 
 KEY = "test-key"
 PROMPT = "The rack hums"
@@ -377,9 +378,10 @@ def test_a_prompt_beyond_the_context_gets_a_400_naming_it(server):
 @pytest.mark.slow
 def test_backpressure_answers_429_instead_of_queueing(server, tiny_checkpoint):
     """A second app on the same Serve instance, allowed one request in progress: the next gets 429
-    with Retry-After at once, and is served once the first is done."""
-    settings = {"model": str(tiny_checkpoint), "served_model_name": "busy", "prefill": "1xDEP1", "decode": "1xDEP1",
-                "kv_stores": 0, "max_inflight": 1, "engine": {"state_memory_mb": 16, "kv_pool_mb": 4}}
+    with Retry-After at once, and is served once the first is done. It has the quick start's topology
+    (`rackserve serve` without a config: one DEP1 instance prefilling what it decodes)."""
+    settings = {"model": str(tiny_checkpoint), "served_model_name": "busy", **QUICK_START,
+                "max_inflight": 1, "engine": {"state_memory_mb": 16, "kv_pool_mb": 4}}
     serve.run(build(settings), name="rackserve-busy", route_prefix="/busy")
     try:
         body = {"model": "busy", "prompt": PROMPT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
