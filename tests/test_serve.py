@@ -254,12 +254,17 @@ BAD = [
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 10**6}).encode(), 400, "max_tokens"),
     (json.dumps({"model": "tiny", "prompt": "x", "n": 0}).encode(), 400, "n"),
     (json.dumps({"model": "tiny", "prompt": "x" * (10 << 20)}).encode(), 413, None),  # a 10 MB body
+    (json.dumps({"model": "tiny", "prompt": [5, 512]}).encode(), 400, "prompt"),  # the vocabulary is [0, 512)
+    (json.dumps({"model": "tiny", "prompt": [5, -1], "stream": True}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot", "stream": True}).encode(), 400, "temperature"),
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 10**6, "stream": True}).encode(), 400, "max_tokens"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("body,status,param", BAD, ids=["json", "utf8", "type", "model", "empty", "max_tokens_0",
-                                                       "beyond_context", "n", "10MB"])
+                                                       "beyond_context", "n", "10MB", "token_id", "stream_token_id",
+                                                       "stream_type", "stream_beyond_context"])
 def test_bad_requests_get_openai_errors_and_others_are_served(server, body, status, param):
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
         r = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
