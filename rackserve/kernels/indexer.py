@@ -202,7 +202,9 @@ def indexer_topk_triton(q: torch.Tensor, keys: torch.Tensor | PackedRows, rows: 
     Packed keys (FP8/FP4 state) are scored by `indexer_scores_triton` first and the top-k then taken
     from the stored scores (`_top_of_scores_kernel`): decoding a 512-candidate tile of packed keys to
     fp32 beside the fused top-k needs 413,696 B of shared memory on sm_90, more than a block gets
-    (227 KiB); apart, the two need ~41 KB and ~16 KB, for one `[T, E]` fp32 write and read.
+    (227 KiB); apart, the two need ~41 KB and ~16 KB, for one `[T, E]` fp32 write and read. Plain keys
+    go through the fused kernel unpipelined (`num_stages=1`): pipelined, two buffers of its 512-row key
+    tile make it 287,232 B on sm_90 (compiled as a launch compiles it), unpipelined 147,456 B.
     """
     t, h, d = q.shape
     e = rows.shape[1]
@@ -222,7 +224,7 @@ def indexer_topk_triton(q: torch.Tensor, keys: torch.Tensor | PackedRows, rows: 
         q, data, words, rows, visible, head_w, order, valid.view(torch.int8), h, d, e, keys.shape[0], k, d**-0.5,
         *q.stride(), k_r, k_c, scale_col, block, *rows.stride(), *visible.stride(), *head_w.stride(),
         **consts, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_K=block_k)
+        BLOCK_K=block_k, num_stages=1)
     return order, valid
 
 
