@@ -347,6 +347,7 @@ def _serve(args: argparse.Namespace) -> int:
     from rackserve.cluster.ray_env import WORKER_ENV
     from rackserve.serve import ingress
     from rackserve.serve.app import build
+    from rackserve.placement.planner import NO_PREFILL
     from rackserve.serve.config import QUICK_START, ServeConfig
     from rackserve.serve.drain import stop
 
@@ -363,7 +364,7 @@ def _serve(args: argparse.Namespace) -> int:
             os.environ.update(ingress.direct_ingress_env(config.port, config.num_ingress_replicas, load_balanced=False))
     ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
     url = ingress.start(config)
-    shape = f"{config.decode} decode" + ("" if config.prefill == "none" else f" + {config.prefill} prefill")
+    shape = f"{config.decode} decode" + ("" if config.prefill == NO_PREFILL else f" + {config.prefill} prefill")
     print(f"starting the {shape} deployment of {config.model_name!r} ...", flush=True)
     serve.run(build(config.to_dict()), name="rackserve", route_prefix="/")
     ingress.wait_until_serving(url)

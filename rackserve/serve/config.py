@@ -13,9 +13,10 @@ from rackserve.placement.planner import NO_PREFILL, RANK_PROCESS_BYTES, HostDema
 
 BUILDER = "rackserve.serve.app:build"
 # `rackserve serve` without a config (the quick start: one machine): one DEP1 instance prefilling what it decodes.
-# On a 2-core machine with the tiny model it streams a token every 14 ms (TTFT 55 ms at 256 prompt tokens),
-# where P/D with DEP2 instances and a KV store (`ServeConfig`'s defaults, rack-shaped) takes 61 ms (TTFT 400 ms):
-# four ranks in lockstep contend for two cores, and a push adds a hop that one machine gains nothing from
+# On a 2-core machine with the tiny model (Python API, one stream) it streams a token every 14 ms (TTFT 55 ms at
+# 256 prompt tokens), where P/D with DEP2 instances and a KV store (`ServeConfig`'s defaults, rack-shaped) takes
+# 61 ms (TTFT 400 ms): four ranks in lockstep contend for two cores, and a push adds a hop that one machine
+# gains nothing from
 QUICK_START = {"prefill": NO_PREFILL, "decode": "1xDEP1", "kv_stores": 0}
 INGRESS_KINDS = ("proxy", "direct")  # how HTTP reaches the replicas: see `rackserve.serve.ingress`
 # settings of the HTTP tier alone: changing them restarts ingress replicas, never the engines
