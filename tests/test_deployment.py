@@ -101,8 +101,8 @@ def kill_a_store_and_a_prefill_rank(deployment: Deployment, tiny_checkpoint) -> 
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     # the store dies between a lookup (its prefix pinned for the prefill rank) and the prefill rank's READ
     # of it, and is replaced (the ranks forget its agent): the READ fails to start, and the prefix is
-    # prefilled instead. (Before the ranks forget it, a READ on one host may still succeed: the dead
-    # store's memory stays mapped where it was read from before.) Turn 1's 60-token
+    # prefilled instead. (Before the ranks forget it, a READ on one host may still succeed: UCX was seen
+    # reading a killed store's memory, the whole prefix intact.) Turn 1's 60-token
     # prompt leaves 48 tokens in the prefill rank's own cache; the store holds 64 of prompt + answer, so
     # turn 2 (both, and more) is read from the store, not served by the rank's cache
     first = prompt(60, seed=78)
