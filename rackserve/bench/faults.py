@@ -248,12 +248,17 @@ def decode_state_in_use(app: App) -> int:
     return sum(m.get("state_bytes_in_use", 0) - m.get("state_bytes_cached", 0) for m in _members(app, "decode"))
 
 
+def prefill_holds(app: App) -> bool:
+    """Whether some prefill rank holds a request (running or waiting)."""
+    return any(m.get("running", 0) + m.get("waiting", 0) for m in _members(app, "prefill"))
+
+
 def settle(app: App, timeout: float = 60.0) -> bool:
     """Wait until no prefill rank holds a request: one submitted during the fault may still be prefilled
     for a reservation that expired meanwhile (the decode rank recomputed it), and its push fail then.
     False if one still does after `timeout` s (what it holds is not given back: the row says so)."""
     deadline = time.monotonic() + timeout
-    while any(m.get("running", 0) + m.get("waiting", 0) for m in _members(app, "prefill")):
+    while prefill_holds(app):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.2)
@@ -364,7 +369,7 @@ def until_struck(app: App, runs: list[tuple[Outcome, threading.Thread]], strike:
     ("decoding"), or on the prefill rank with none of them decoding yet ("prefilling")."""
     if strike == "prefilling":
         deadline = time.monotonic() + 60
-        while not any(m.get("running", 0) + m.get("waiting", 0) for m in _members(app, "prefill")):
+        while not prefill_holds(app):
             if any(out.started.is_set() for out, _ in runs) or time.monotonic() > deadline:
                 raise RuntimeError("the prefill rank held none of the streams' prompts before their first text")
             time.sleep(0.01)
@@ -385,7 +390,7 @@ def run_fault(app: App, fault: str, streams: int, osl: int, probes: int, hang_s:
     before = ttft_p50(app.url, probes)
     idle = decode_state_in_use(app)
     replays = replayed(app) if app.replicas == 1 else None
-    redone = recomputed(app)
+    recomputed_before = recomputed(app)
     runs = run_streams(app.url, batch, osl)
     until_struck(app, runs, spec.strike)
     in_flight = sum(not out.done for out, _ in runs)
@@ -403,8 +408,9 @@ def run_fault(app: App, fault: str, streams: int, osl: int, probes: int, hang_s:
     outs = [out for out, _ in runs]
     until_every_instance_serves(app)
     settled = settle(app)
-    redone = recomputed(app) - redone
-    expected = expected or undisturbed_texts(app.url, batch, osl)
+    redone = recomputed(app) - recomputed_before
+    if expected is None:
+        expected = undisturbed_texts(app.url, batch, osl)
     failures, recomputes = push_failures(app), recomputed(app)
     after = ttft_p50(app.url, probes)
     failures, recomputes = push_failures(app) - failures, recomputed(app) - recomputes
