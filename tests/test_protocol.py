@@ -41,6 +41,7 @@ from rackserve.serve.responses import (
     completion_response,
     openai_finish_reason,
     sse,
+    token_id_label,
     usage_chunk,
 )
 
@@ -286,6 +287,7 @@ HONOURED = {  # field -> (a value asking for something, what the parsed request 
     "echo": (True, lambda r: r.echo),
     "response_format": ({"type": "json_object"}, lambda r: r.base_params.structured == GrammarSpec("json_object")),
     "structured_outputs": ({"regex": "a+"}, lambda r: r.base_params.structured == GrammarSpec("regex", "a+")),
+    "return_tokens_as_token_ids": (True, lambda r: r.tokens_as_ids),
 }
 REQUIRED = {"model", "prompt", "messages"}
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -310,7 +312,7 @@ ASKING = {  # refused fields: a value that asks for something this server does n
     "continue_final_message": True, "documents": [{"text": "x"}], "chat_template": "{{ x }}",
     "chat_template_kwargs": {"thinking": True}, "media_io_kwargs": {"x": 1}, "mm_processor_kwargs": {"x": 1},
     "mm_payload": {"x": 1}, "return_mm_kwargs": True,
-    "priority": 3, "request_id": "r", "session_id": "s", "return_tokens_as_token_ids": True,
+    "priority": 3, "request_id": "r", "session_id": "s",
     "return_token_ids": True, "return_token_offsets": True, "return_prompt_text": True,
     "routed_experts_prompt_start": 0, "cache_salt": "s", "kv_transfer_params": {"x": 1},
     "ec_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "repetition_detection": {"x": 1},
@@ -561,6 +563,11 @@ def test_logprob_shaping():
                         "top_logprobs": [{"token": "Hel", "logprob": -0.1, "bytes": [72, 101, 108]},
                                          {"token": "p", "logprob": -2.5, "bytes": [112]}]}]
     assert chat_logprobs(entries, vocab.__getitem__)["content"][1]["top_logprobs"][0]["bytes"] == [239, 191, 189]
+    # return_tokens_as_token_ids: tokens named by id, offsets still counting their text
+    by_id = completion_logprobs(entries, vocab.__getitem__, offset=10, label=token_id_label)
+    assert by_id["tokens"] == ["token_id:5", "token_id:6"] and by_id["text_offset"] == [10, 13]
+    assert by_id["top_logprobs"][1] == {"token_id:8": -0.3, "token_id:9": -0.4, "token_id:6": -9999.0}
+    assert chat_logprobs(entries[:1], token_id_label)["content"][0]["token"] == "token_id:5"
 
 
 # --- the real OpenAI client against these builders ----------------------------------------------------------------

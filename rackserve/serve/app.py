@@ -97,6 +97,7 @@ class _Reply:
                  chat_reply: tuple[ReplyFormat, bool] | None = None):
         self.id, self.model, self.chat, self.request, self.arrival = request_id, model, chat, request, arrival
         self.decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else str
+        self.label = responses.token_id_label if request.tokens_as_ids else self.decode  # a token in logprobs
         echo = ""
         if not chat and request.echo:
             echo = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(list(request.prompt))
@@ -134,11 +135,11 @@ class _Reply:
         if not self.chat:
             if not (delta.content or finish):
                 return []
-            lp = responses.completion_logprobs(out.new_logprobs, self.decode, len(choice.text) - len(delta.content)) \
-                if self.wants_logprobs else None
+            lp = responses.completion_logprobs(out.new_logprobs, self.decode, len(choice.text) - len(delta.content),
+                                               self.label) if self.wants_logprobs else None
             return [responses.completion_chunk(self.id, self.model, delta.content, finish, logprobs=lp,
                                                index=out.index)]
-        lp = responses.chat_logprobs(out.new_logprobs, self.decode) if self.wants_logprobs and out.new_logprobs \
+        lp = responses.chat_logprobs(out.new_logprobs, self.label) if self.wants_logprobs and out.new_logprobs \
             else None
         reasoning = delta.reasoning if self.request.include_reasoning else ""
         chunks = []
@@ -154,13 +155,14 @@ class _Reply:
 
     def response(self) -> dict:
         if self.chat:
-            choices = [responses.chat_choice(c.text, c.finish_reason, responses.chat_logprobs(c.logprobs, self.decode)
+            choices = [responses.chat_choice(c.text, c.finish_reason, responses.chat_logprobs(c.logprobs, self.label)
                                              if self.wants_logprobs else None, i,
                                              reasoning=c.reasoning if self.request.include_reasoning else "",
                                              tool_calls=c.calls) for i, c in enumerate(self.choices)]
             return responses.chat_response(self.id, self.model, choices, self.usage)
-        choices = [responses.completion_choice(c.text, c.finish, responses.completion_logprobs(c.logprobs, self.decode)
-                                               if self.wants_logprobs else None, i) for i, c in enumerate(self.choices)]
+        choices = [responses.completion_choice(c.text, c.finish, responses.completion_logprobs(
+            c.logprobs, self.decode, label=self.label) if self.wants_logprobs else None, i)
+            for i, c in enumerate(self.choices)]
         return responses.completion_response(self.id, self.model, choices, self.usage)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
              "skip_special_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
              "min_tokens", "bad_words", "allowed_token_ids", "max_tokens", "stream", "stream_options", "logprobs",
-             "n", "response_format", "structured_outputs")
+             "n", "response_format", "structured_outputs", "return_tokens_as_token_ids")
 # user, prompt_cache_key: the routing session (`protocol.session_of`)
 HONOURED = {
     "completions": frozenset({"model", "prompt", "echo", "user", "prompt_cache_key", *_SAMPLING}),
@@ -33,7 +33,7 @@ _LEGACY_FUNCTIONS = "the legacy functions API is not served: send tools and tool
 _BEAM = "this server does not run beam search"
 _STORE = "this server stores no completions"
 _MULTIMODAL = "rackserve serves text only"
-_TEXT_OUT = "responses carry text (and token ids only as logprobs)"
+_TEXT_OUT = "responses carry text (token ids only in logprobs, with return_tokens_as_token_ids)"
 # field -> (the values that ask for nothing beyond what this server does, why another value is refused)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     # OpenAI
@@ -81,7 +81,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "priority": ((0,), "requests are served in arrival order"),
     "request_id": ((), "response ids are the server's"),
     "session_id": ((), "route a session with user, prompt_cache_key or the X-Session-Id header"),
-    "return_tokens_as_token_ids": ((False,), _TEXT_OUT),
     "return_token_ids": ((False,), _TEXT_OUT),
     "return_token_offsets": ((False,), _TEXT_OUT),
     "return_prompt_text": ((False,), _TEXT_OUT),

@@ -327,6 +327,7 @@ class _Generation:
     base_params: SamplingParams
     stream: bool
     include_usage: bool  # send a usage chunk before [DONE] (streaming only)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
     def sampling(self, prompt_tokens: int, max_model_len: int, vocab_size: int | None = None) -> SamplingParams:
         """The engine's parameters once the prompt is `prompt_tokens` long, for a context of `max_model_len`
@@ -444,6 +445,7 @@ def parse_completion(body: dict, served_models: list[str]) -> CompletionRequest:
         model=model, prompt=prompt, echo=echo, stream=stream, include_usage=include_usage,
         max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
         base_params=_base_params(body, logprobs),
+        tokens_as_ids=bool(_get(body, "return_tokens_as_token_ids", _BOOLEAN)),
     )
 
 
@@ -656,6 +658,7 @@ def parse_chat(body: dict, served_models: list[str]) -> ChatRequest:
         thinking=thinking, reasoning_effort=effort,
         include_reasoning=_get(body, "include_reasoning", _BOOLEAN) is not False,
         response_format=fmt if fmt is not None and fmt.get("type") != "text" else None,
+        tokens_as_ids=bool(_get(body, "return_tokens_as_token_ids", _BOOLEAN)),
     )
 
 

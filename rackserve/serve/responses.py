@@ -144,28 +144,36 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
 
 
-def completion_logprobs(entries: list[TokenLogprobs], decode: Callable[[int], str], offset: int = 0) -> dict:
+def token_id_label(token_id: int) -> str:
+    """How a token is named in logprobs with vLLM's `return_tokens_as_token_ids`: "token_id:<id>"."""
+    return f"token_id:{token_id}"
+
+
+def completion_logprobs(entries: list[TokenLogprobs], decode: Callable[[int], str], offset: int = 0,
+                        label: Callable[[int], str] | None = None) -> dict:
     """Legacy /v1/completions logprobs for generated tokens.
 
     entries: per token, the engine's `TokenLogprobs` (the chosen token id and its logprob, the top (token id,
     logprob) pairs); decode: one token id → its text. offset: the character offset of the first token in the
-    choice's text (nonzero for later stream chunks, or after an echoed prompt). Each top_logprobs dict also
-    holds the chosen token, as OpenAI's does (so up to logprobs + 1 entries).
+    choice's text (nonzero for later stream chunks, or after an echoed prompt). label: how tokens are named
+    (default: their text; `token_id_label` names them by id), while offsets still count their text. Each
+    top_logprobs dict also holds the chosen token, as OpenAI's does (so up to logprobs + 1 entries).
     """
+    label = label or decode
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for entry in entries:
-        token = decode(entry.token_id)
+        token = label(entry.token_id)
         logprob = _finite(entry.logprob)
         top: dict[str, float] = {}
         for token_id, top_logprob in entry.top:
             # two ids can decode alike (partial UTF-8 bytes both show as U+FFFD): keep the likelier, listed first
-            top.setdefault(decode(token_id), _finite(top_logprob))
+            top.setdefault(label(token_id), _finite(top_logprob))
         top.setdefault(token, logprob)
         tokens.append(token)
         token_logprobs.append(logprob)
         top_logprobs.append(top)
         text_offset.append(offset)
-        offset += len(token)
+        offset += len(decode(entry.token_id))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
 
@@ -178,7 +186,8 @@ def _chat_token(token_id: int, logprob: float, decode: Callable[[int], str]) -> 
 def chat_logprobs(entries: list[TokenLogprobs], decode: Callable[[int], str]) -> dict:
     """Chat logprobs for generated tokens: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}.
 
-    entries and decode as in `completion_logprobs`; bytes are the UTF-8 bytes of the decoded token text.
+    entries and decode as in `completion_logprobs` (decode may be `token_id_label`); bytes are the UTF-8 bytes
+    of the token as named.
     """
     return {"content": [{**_chat_token(e.token_id, e.logprob, decode),
                          "top_logprobs": [_chat_token(t, lp, decode) for t, lp in e.top]} for e in entries]}
