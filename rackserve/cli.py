@@ -362,7 +362,8 @@ def _serve(args: argparse.Namespace) -> int:
         os.environ.update(WORKER_ENV)
         if config.ingress == "direct":
             os.environ.update(ingress.direct_ingress_env(config.port, config.num_ingress_replicas, load_balanced=False))
-    ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+    # "local": a cluster of its own, as --help says, never one that another process on this machine started
+    ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
     url = ingress.start(config)
     shape = f"{config.decode} decode" + ("" if config.prefill == NO_PREFILL else f" + {config.prefill} prefill")
     print(f"starting the {shape} deployment of {config.model_name!r} ...", flush=True)
