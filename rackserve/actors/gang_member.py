@@ -96,11 +96,17 @@ class GangMember:
         dist.init_process_group("nccl" if config.device.startswith("cuda") else "gloo", store=store,
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)
         self.gang = join(tuple(spec.rendezvous_at), self.rank, self.world_size, spec.secret, timeout=spec.timeout)
-        ep = ExpertParallel(spec.slots_per_rank, expert_ranks=range(*spec.expert_ranks))
         tables = host_tables(spec.checkpoint) if self.reads_host_tables else []
         extra = {"host_tensors": map_node_tables(tables, config)} if tables else {}
+        # a gang of one that holds every expert once, and never re-places them, runs its MoE layers as the
+        # single-process engine does: sharded, each layer would pay a dispatch and a combine (copies within
+        # the one rank), slot choice and EPLB counts: a tenth of a step at batch 1 on the tiny Qwen3-MoE
+        whole = self.world_size == 1 and config.eplb_interval == 0 and all(
+            row == sorted(row) == list(range(len(row))) for row in spec.phy2log)
+        shard = None if whole else (ExpertParallel(spec.slots_per_rank, expert_ranks=range(*spec.expert_ranks)),
+                                    torch.tensor(spec.phy2log))
         model = load_model(spec.checkpoint, dtype=config.dtype, device=config.device, weights=config.weights,
-                           shard=(ep, torch.tensor(spec.phy2log)), **extra)
+                           shard=shard, **extra)
         return model, config
 
     def _start(self) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rackserve.models.qwen3_moe.batch import ForwardBatch
+from rackserve.models.qwen3_moe.batch import AttentionGroup, ForwardBatch
 from rackserve.models.qwen3_moe.config import ModelConfig
 from rackserve.models.qwen3_moe.layers import RMSNorm, rotate
 from rackserve.models.qwen3_moe.state import KVCache
@@ -37,17 +37,32 @@ class Attention(nn.Module):
         q = rotate(self.q_norm(self.q_proj(x).view(t, self.heads, d)), *rope)
         k = rotate(self.k_norm(self.k_proj(x).view(t, self.kv_heads, d)), *rope)
         v = self.v_proj(x).view(t, self.kv_heads, d)
-        k_rows, v_rows = state.k[self.layer].flatten(0, 1), state.v[self.layer].flatten(0, 1)
+        k_pages, v_pages = state.k[self.layer], state.v[self.layer]
         # written first, then read back with the cached rows: a token sees its own K/V as stored,
         # exactly as a later step will
-        k_rows.index_copy_(0, batch.write_rows, k)
-        v_rows.index_copy_(0, batch.write_rows, v)
-        r, _, q_len, _ = batch.visible.shape
-        grid = q.new_zeros(r * q_len, self.heads, d).index_copy_(0, batch.query_rows, q)
+        k_pages.flatten(0, 1).index_copy_(0, batch.write_rows, k)
+        v_pages.flatten(0, 1).index_copy_(0, batch.write_rows, v)
+        if len(batch.groups) == 1 and batch.groups[0].tokens is None:  # a decode step, or one prefill chunk
+            return self.o_proj(self._attend(q, batch.groups[0], k_pages, v_pages))
+        out = q.new_empty(t, self.heads * d)
+        for group in batch.groups:
+            out.index_copy_(0, group.tokens, self._attend(q.index_select(0, group.tokens), group, k_pages, v_pages))
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, group: AttentionGroup, k_pages: torch.Tensor,
+                v_pages: torch.Tensor) -> torch.Tensor:
+        """q `[Tg, H, d]`, the group's queries; k_pages, v_pages: this layer's cache `[pages, block, Hkv, d]`
+        -> `[Tg, H · d]`."""
+        d = self.head_dim
+        r, _, q_len, c = group.visible.shape
+        rows = group.query_rows
+        grid = q if rows is None else q.new_zeros(r * q_len, self.heads, d).index_copy_(0, rows, q)
         out = F.scaled_dot_product_attention(
             grid.view(r, q_len, self.heads, d).transpose(1, 2),  # [R, H, Q, d]
-            k_rows[batch.context_rows].transpose(1, 2),  # [R, Hkv, C, d]
-            v_rows[batch.context_rows].transpose(1, 2),
-            attn_mask=batch.visible, enable_gqa=self.heads != self.kv_heads)
-        out = out.transpose(1, 2).reshape(r * q_len, self.heads * d).index_select(0, batch.query_rows)
-        return self.o_proj(out)
+            # [R, Hkv, C, d], gathered by index_select, which copies whole pages: 170 µs where indexing
+            # (`k_pages[pages]`) takes 270, at 32 requests of 20 pages on the tiny model
+            k_pages.index_select(0, group.pages.flatten()).view(r, c, self.kv_heads, d).transpose(1, 2),
+            v_pages.index_select(0, group.pages.flatten()).view(r, c, self.kv_heads, d).transpose(1, 2),
+            attn_mask=group.visible, enable_gqa=self.heads != self.kv_heads)
+        out = out.transpose(1, 2).reshape(r * q_len, self.heads * d)
+        return out if rows is None else out.index_select(0, rows)

@@ -2,24 +2,41 @@
 
 Everything here is index arithmetic done once per forward and shared by all layers; a layer only
 scatters its new K/V into the cache and gathers. T = new tokens, R = requests, Q = the most new tokens
-of one request, C = the most tokens one request holds after this step. A layer's cache, viewed as rows
-`[num_pages · block_size, kv heads, head_dim]`, holds position p of a request at row
-`page_of(p) · block_size + p % block_size`.
+of one request, W = the most pages one request holds after this step, C = W · block_size. A layer's
+cache, viewed as rows `[num_pages · block_size, kv heads, head_dim]`, holds position p of a request at
+row `page_of(p) · block_size + p % block_size`.
 
-Attention runs per request on a padded grid: each request's queries are rows `[Q]` of the grid and
-its keys are its cached rows `[C]` (this step's included, written before they are read), so cost
-and memory grow with R · Q · C: one long prefill chunk beside many decodes pads every decode to the
-chunk's length. That is the price of plain torch without a paged-attention kernel.
+Attention runs per group of requests on a padded grid: each request's queries are rows `[Q]` of its
+group's grid and its keys are the rows of its pages `[C]` (this step's included, written before they
+are read), so cost and memory grow with R · Q · C of each group. The decoding requests (one new token
+each) form one group and every longer one (a prefill chunk) is a group of its own, so a chunk beside
+many decodes does not pad every decode to the chunk's length; that is the price of plain torch without
+a paged-attention kernel. The keys are gathered page by page (blocks of block_size rows), not row by
+row: the same bytes with an index a block_size-th as long.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from rackserve.models.state import PagedState, RequestState
+
+
+@dataclass
+class AttentionGroup:
+    """Requests whose queries attend in one padded grid: R of them, up to Q new tokens and W pages each."""
+
+    tokens: torch.Tensor | None  # [Tg] long, the group's token rows of the batch; None: every token, in order
+    query_rows: torch.Tensor | None  # [Tg] long, each token's row of the grid [R · Q]; None: row for row
+    pages: torch.Tensor  # [R, W] long, each request's pages in order (padded with page 0, never visible)
+    visible: torch.Tensor  # [R, 1, Q, C] bool, key j is visible to query i of request r (j <= its position)
+
+    def to(self, device: torch.device | str) -> AttentionGroup:
+        return type(self)(*(None if t is None else t.to(device) for t in (self.tokens, self.query_rows, self.pages,
+                                                                             self.visible)))
 
 
 @dataclass
@@ -28,9 +45,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] long, each token's position in its request
     logits_rows: torch.Tensor  # [L] long, the tokens whose logits are returned
     write_rows: torch.Tensor  # [T] long, each token's cache row
-    query_rows: torch.Tensor  # [T] long, each token's row of the padded query grid [R · Q]
-    context_rows: torch.Tensor  # [R, C] long, the cache rows of each request's positions 0 … C-1
-    visible: torch.Tensor  # [R, 1, Q, C] bool, key j is visible to query i of request r (j <= its position)
+    groups: list[AttentionGroup]
 
     @classmethod
     def build(cls, state: PagedState, requests: Sequence[tuple[RequestState, Sequence[int]]],
@@ -49,29 +64,44 @@ class ForwardBatch:
         if short:
             raise ValueError(f"the requests in slots {short} hold too few pages for their new tokens; reserve pages "
                              "first (StateCache.reserve)")
-        width = max(len(h.pages) for h, _ in requests)
-        page_table = torch.tensor([h.pages + [0] * (width - len(h.pages)) for h, _ in requests], dtype=torch.long)
         input_ids = torch.tensor([t for _, ids in requests for t in ids], dtype=torch.long)
-
         offsets = torch.cumsum(lens, 0) - lens  # first token row of each request
         req = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [T]
         within = torch.arange(len(input_ids)) - offsets[req]
         positions = starts[req] + within
-        b, q = state.block_size, int(lens.max())
-        cols = torch.arange(int(ends.max()))
-        # columns past a request's end point at pages of the padded table (finite values, never visible)
-        context_rows = page_table[:, cols // b] * b + cols % b
-        # a padding query (i >= its request's length) sees keys too, so no softmax row is empty; it is dropped
-        query_pos = starts[:, None] + torch.arange(q)  # [R, Q]
-        visible = (cols <= query_pos[..., None]).unsqueeze(1)
+        b = state.block_size
+        pages = [h.pages for h, _ in requests]
+        table = torch.tensor([p + [0] * (max(map(len, pages)) - len(p)) for p in pages], dtype=torch.long)
+        write_rows = table[req, positions // b] * b + positions % b
+
+        single = [r for r, n in enumerate(lens.tolist()) if n == 1]
+        members = ([single] if single else []) + [[r] for r, n in enumerate(lens.tolist()) if n > 1]
+        groups = [cls._group(m, lens, starts, offsets, pages, b, whole=len(members) == 1) for m in members]
 
         counts = torch.ones_like(lens) if num_logits is None else torch.tensor(num_logits, dtype=torch.long)
         owner = torch.repeat_interleave(torch.arange(len(lens)), counts)
         first = torch.cumsum(counts, 0) - counts  # first logits row of each request
         logits_rows = (offsets + lens - counts)[owner] + torch.arange(len(owner)) - first[owner]
-        batch = cls(input_ids, positions, logits_rows, context_rows[req, positions], req * q + within, context_rows,
-                    visible)
-        return batch.to(state.device)
+        return cls(input_ids, positions, logits_rows, write_rows, groups).to(state.device)
+
+    @staticmethod
+    def _group(members: list[int], lens: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor,
+               pages: list[list[int]], block_size: int, whole: bool) -> AttentionGroup:
+        """The group of requests `members` (indices into the batch); `whole`: it holds every request."""
+        idx = torch.tensor(members, dtype=torch.long)
+        g_lens, width = lens[idx], max(len(pages[r]) for r in members)
+        table = torch.tensor([pages[r] + [0] * (width - len(pages[r])) for r in members], dtype=torch.long)
+        q = int(g_lens.max())
+        cols = torch.arange(width * block_size)
+        # a padding query (i >= its request's length) sees keys too, so no softmax row is empty; it is dropped
+        query_pos = starts[idx, None] + torch.arange(q)  # [R, Q]
+        visible = (cols <= query_pos[..., None]).unsqueeze(1)
+        owner = torch.repeat_interleave(torch.arange(len(members)), g_lens)  # [Tg], within the group
+        within = torch.arange(len(owner)) - (torch.cumsum(g_lens, 0) - g_lens)[owner]
+        tokens = None if whole else offsets[idx][owner] + within
+        query_rows = None if bool((g_lens == q).all()) else owner * q + within
+        return AttentionGroup(tokens, query_rows, table, visible)
 
     def to(self, device: torch.device | str) -> ForwardBatch:
-        return type(self)(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return type(self)(*(t.to(device) for t in (self.input_ids, self.positions, self.logits_rows,
+                                                   self.write_rows)), [g.to(device) for g in self.groups])
