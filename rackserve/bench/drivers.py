@@ -112,7 +112,7 @@ async def completion_stream(http, body: dict):
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
 
         async def chunks() -> AsyncIterator[tuple[float, dict]]:
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 now = time.perf_counter()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -122,6 +122,19 @@ async def completion_stream(http, body: dict):
                 yield now, chunk
 
         yield response.headers, chunks()
+
+
+async def sse_lines(response) -> AsyncIterator[str]:
+    """The lines of a streaming `httpx.Response`, split where SSE ends lines (LF, or CR LF). Not
+    `aiter_lines`: it splits at every Unicode line boundary, and a server that writes JSON with raw
+    UTF-8 (vLLM does) sends U+2028 or U+0085 unescaped inside a chunk's text."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending
 
 
 def _record(t_send: float, first: float | None, last: float | None, prompt_tokens: int, cached: int,
