@@ -6,7 +6,8 @@ The tiny Qwen3-MoE checkpoint of `rackserve.bench.peer`, one request at a time (
 --isl random token ids, --osl greedy tokens with EOS ignored), through three ever longer paths:
 1. the engine in this process, stepped by hand with one intra-op thread, as a rank actor has it (Ray
    starts actors with OMP_NUM_THREADS=1), its step split into phases (`rackserve.timing`): the model's
-   forward (experts, and the rest of it), schedule (the scheduler and the batch's inputs), sampling,
+   forward (experts, their dispatch and combine in an expert-parallel gang, and the rest of it), the
+   gang's host sync, schedule (the scheduler and the batch's inputs), sampling,
    and update (detokenization, stop checks, outputs);
 2. one DEP1 instance on a local Ray cluster, through the Python API: the same engine stepped by its rank
    actor's loop, outputs long-polled by this process's output pump (`InstanceClient`); the rank's own
@@ -34,7 +35,7 @@ from rackserve.bench import peer, script
 from rackserve.bench.metrics import summarize
 from rackserve.engine import LLM, SamplingParams
 
-PHASES = ("experts", "forward other", "schedule", "sampling", "update")
+PHASES = ("experts", "dispatch/combine", "forward other", "host sync", "schedule", "sampling", "update")
 
 
 def _engine(model: Path, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
@@ -112,7 +113,9 @@ def main(argv: list[str] | None = None) -> dict:
     http = _http(model, prompts, args.osl, args.workdir)
 
     rows = [("forward: experts", engine["experts"], inst["experts"]),
+            ("forward: expert dispatch/combine", engine["dispatch/combine"], inst["dispatch/combine"]),
             ("forward: the rest", engine["forward other"], inst["forward other"]),
+            ("host sync (the gang's step plan)", engine["host sync"], inst["host sync"]),
             ("schedule + inputs", engine["schedule"], inst["schedule"]),
             ("sampling", engine["sampling"], inst["sampling"]),
             ("update (detokenize, stops, outputs)", engine["update"], inst["update"])]
@@ -130,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"HTTP add {http - inst['gap']:.3f}")
     return script.headline({"bench": "token_path", "isl": args.isl, "osl": args.osl,
                             "engine_ms": round(engine["step"], 3), "instance_ms": round(inst["gap"], 3),
-                            "http_ms": round(http, 3), "forward_ms": round(engine["experts"] + engine["forward other"], 3),
+                            "http_ms": round(http, 3),
+                            "rank_forward_ms": round(sum(inst[k] for k in PHASES[:3]), 3),
                             "actor_and_ray_ms": round(inst["gap"] - rank_phases, 3),
                             "replica_and_http_ms": round(http - inst["gap"], 3)})
 
