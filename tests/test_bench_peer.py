@@ -1,6 +1,7 @@
-"""The peer benchmark's own parts: a rackserve server it starts, drives and stops, the greedy answers it reads
-back over HTTP (token ids, as the comparison with vLLM reads them) against the single-process engine, and the
-agreement count. vLLM itself is not installed here (a few GB): `python -m rackserve.bench.peer` runs it."""
+"""The peer and token-path benchmarks: a rackserve server the peer benchmark starts, drives and stops, the greedy
+answers it reads back over HTTP (token ids, as the comparison with vLLM reads them) against the single-process
+engine, the agreement count, the SSE reading a raw-UTF-8 server needs, and the token path's profile end to end.
+vLLM itself is not installed here (a few GB): `python -m rackserve.bench.peer` runs it."""
 
 from __future__ import annotations
 
@@ -76,3 +77,15 @@ def test_stream_chunks_with_raw_unicode_line_separators_parse_whole():
                 return [chunk["choices"][0]["text"] async for _, chunk in chunks]
 
     assert asyncio.run(read()) == texts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_token_path_profile_accounts_for_each_layer(ray_cluster, tmp_path, capsys):
+    from rackserve.bench.token_path import main
+
+    figures = main(["--isl", "24", "--osl", "8", "--streams", "1", "--workdir", str(tmp_path)])
+    assert 0 < figures["engine_ms"] and 0 < figures["rank_forward_ms"] < figures["instance_ms"]
+    assert figures["http_ms"] > 0
+    out = capsys.readouterr().out
+    assert "the actor loop and Ray hops" in out and out.strip().splitlines()[-1].startswith('{"bench": "token_path"')

@@ -1,9 +1,10 @@
 """The OpenAI endpoint over real HTTP (Ray Serve on the session's cluster, a DEP1 prefill + DEP1
 decode deployment of the tiny model with a KV store): the official client, streaming and not, gives
-the Python API's greedy text; 100 concurrent streams all complete; bad requests get OpenAI-shaped
-4xx while others are served (a prompt beyond the context too); the API key is enforced; a client that
-leaves mid-stream, or before its first token (while its prompt is prefilled), frees its state; the
-replica also serves directly (direct ingress), with the same answers."""
+the Python API's greedy text, logprobs (tokens named by id) and stop-string cuts; 100 concurrent
+streams all complete; bad requests get OpenAI-shaped 4xx while others are served (a prompt beyond the
+context too); the API key is enforced; a client that leaves mid-stream, or before its first token
+(while its prompt is prefilled), frees its state; the replica also serves directly (direct ingress),
+with the same answers."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncio
 import json
 import re
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -100,6 +102,47 @@ def test_penalties_biases_and_bans_over_http_are_the_python_apis(client, tiny_ch
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, logit_bias={"99999": 1})
     with pytest.raises(openai.BadRequestError, match="unknown field 'temprature'"):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body={"temprature": 0})
+
+
+@pytest.mark.slow
+def test_logprobs_and_stop_over_http_are_the_python_apis(client, tiny_checkpoint):
+    """Through P/D: /v1/completions logprobs with the tokens named by id (vLLM's return_tokens_as_token_ids) are
+    the engine's chosen ids, logprobs and top-2, streamed or not; chat logprobs carry the same; a stop string cuts
+    the text where the engine does."""
+    llm = LLM(tiny_checkpoint)
+    [want] = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2))
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2,
+                                     extra_body=extra)
+    chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2,
+                                       stream=True, extra_body=extra)
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    streamed = SimpleNamespace(**{k: [v for part in parts for v in getattr(part, k)]
+                                  for k in ("tokens", "token_logprobs", "top_logprobs")})
+    for lp in (done.choices[0].logprobs, streamed):
+        assert lp.tokens == [f"token_id:{e.token_id}" for e in want.logprobs]
+        assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+        for top, e in zip(lp.top_logprobs, want.logprobs, strict=True):
+            want_top = {f"token_id:{t}": v for t, v in e.top} | {f"token_id:{e.token_id}": e.logprob}
+            assert top == pytest.approx(want_top, abs=1e-4)
+    assert done.choices[0].text == want.text
+
+    messages = [{"role": "user", "content": "Where is the rack?"}]
+    tok = Tokenizer(tiny_checkpoint)
+    ids = tok.encode(tok.apply_chat_template(messages, options=ChatOptions(thinking=False)), add_bos=False)
+    [chat_want] = llm.generate([ids], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1))
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=1, extra_body={**extra, **CHAT_MODE})
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{e.token_id}" for e in chat_want.logprobs]
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in chat_want.logprobs], abs=1e-4)
+
+    stop = want.text[3:6]  # a string the greedy answer holds, after its first few characters
+    [cut] = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop=(stop,)))
+    stopped = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True})
+    assert stopped.choices[0].text == cut.text == want.text[:want.text.index(stop)]
+    assert stopped.choices[0].finish_reason == cut.finish_reason == "stop"
 
 
 def test_n_choices_over_http_are_the_python_apis_with_their_seeds(client, tiny_checkpoint):

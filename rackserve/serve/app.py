@@ -66,6 +66,7 @@ class _Choice:
 
     def __init__(self, echo: str, parser: ReplyParser | None):
         self.text, self.reasoning, self.calls, self.logprobs, self.finish, self.tokens = "", "", [], [], None, 0
+        self.streamed = 0  # logprobs sent in stream chunks so far
         self.echo = echo  # the prompt, sent with its first output (/v1/completions echo)
         self.parser = parser
 
@@ -133,10 +134,12 @@ class _Reply:
         self.usage = responses.Usage(out.num_prompt_tokens, sum(c.tokens for c in self.choices), out.num_cached_tokens)
         finish = choice.finish_reason
         if not self.chat:
-            if not (delta.content or finish):
+            if not (delta.content or finish):  # text held back (a character's first bytes): its logprobs wait too
                 return []
-            lp = responses.completion_logprobs(out.new_logprobs, self.decode, len(choice.text) - len(delta.content),
-                                               self.label) if self.wants_logprobs else None
+            lp = responses.completion_logprobs(choice.logprobs[choice.streamed:], self.decode,
+                                               len(choice.text) - len(delta.content), self.label) \
+                if self.wants_logprobs else None
+            choice.streamed = len(choice.logprobs)
             return [responses.completion_chunk(self.id, self.model, delta.content, finish, logprobs=lp,
                                                index=out.index)]
         lp = responses.chat_logprobs(out.new_logprobs, self.label) if self.wants_logprobs and out.new_logprobs \

@@ -12,12 +12,14 @@ from rackserve.config import ConfigError, EngineConfig
 from rackserve.placement.planner import NO_PREFILL, RANK_PROCESS_BYTES, HostDemand
 
 BUILDER = "rackserve.serve.app:build"
-# `rackserve serve` without a config (the quick start: one machine): one DEP1 instance prefilling what it decodes.
-# On a 2-core machine with the tiny model (Python API, one stream) it streams a token every 14 ms (TTFT 55 ms at
-# 256 prompt tokens), where P/D with DEP2 instances and a KV store (`ServeConfig`'s defaults, rack-shaped) takes
-# 61 ms (TTFT 400 ms): four ranks in lockstep contend for two cores, and a push adds a hop that one machine
-# gains nothing from
-QUICK_START = {"prefill": NO_PREFILL, "decode": "1xDEP1", "kv_stores": 0}
+# `rackserve serve` without a config (the quick start: one machine): one DEP1 instance prefilling what it decodes,
+# running up to 128 requests with 2048-token steps (vLLM's CPU server defaults). On a 2-core machine with the tiny
+# Qwen3-MoE over HTTP (`python -m rackserve.bench.peer`) it streams 1.1-1.2x the output tokens/s of P/D with DEP1
+# instances at 1-32 streams, and P/D with DEP2 instances and a KV store (`ServeConfig`'s defaults, rack-shaped)
+# is slower still: ranks in lockstep contend for two cores, and a push adds a hop that one machine gains nothing
+# from. 128 running (not the engine's 32) serve 64 streams at once: 1.3x the tokens/s, TTFT p50 0.37 s, not 2.2
+QUICK_START = {"prefill": NO_PREFILL, "decode": "1xDEP1", "kv_stores": 0,
+               "engine": {"max_num_seqs": 128, "max_num_batched_tokens": 2048}}
 INGRESS_KINDS = ("proxy", "direct")  # how HTTP reaches the replicas: see `rackserve.serve.ingress`
 # settings of the HTTP tier alone: changing them restarts ingress replicas, never the engines
 INGRESS_FIELDS = ("served_model_name", "host", "port", "ingress", "api_key", "max_inflight", "num_ingress_replicas",
