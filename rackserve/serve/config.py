@@ -15,9 +15,9 @@ BUILDER = "rackserve.serve.app:build"
 # `rackserve serve` without a config (the quick start: one machine): one DEP1 instance prefilling what it decodes,
 # running up to 128 requests with 2048-token steps (vLLM's CPU server defaults). On a 2-core machine with the tiny
 # Qwen3-MoE over HTTP (`python -m rackserve.bench.peer`) it streams 1.1-1.2x the output tokens/s of P/D with DEP1
-# instances at 1-32 streams, and P/D with DEP2 instances and a KV store (`ServeConfig`'s defaults, rack-shaped)
-# is slower still: ranks in lockstep contend for two cores, and a push adds a hop that one machine gains nothing
-# from. 128 running (not the engine's 32) serve 64 streams at once: 1.3x the tokens/s, TTFT p50 0.37 s, not 2.2
+# instances at 1-64 streams, and 1.9-5.4x those of P/D with DEP2 instances and a KV store (`ServeConfig`'s
+# defaults, rack-shaped): ranks in lockstep contend for two cores, and a push adds a hop that one machine gains
+# nothing from. 128 running (not the engine's 32) serve 64 streams at once: TTFT p50 0.3-0.4 s, not 2.2
 QUICK_START = {"prefill": NO_PREFILL, "decode": "1xDEP1", "kv_stores": 0,
                "engine": {"max_num_seqs": 128, "max_num_batched_tokens": 2048}}
 INGRESS_KINDS = ("proxy", "direct")  # how HTTP reaches the replicas: see `rackserve.serve.ingress`
