@@ -101,8 +101,10 @@ class ExpertBalancer:
     def __init__(self, layers: list[RoutedMoE], gang: Gang, interval: int, min_gain: float,
                  draft_layers: list[RoutedMoE] = ()):
         self.groups = {"eplb_balancedness": list(layers)}
-        # a draft model with fewer experts than a rank's slots has each of them on every rank: nothing to move
-        if draft_layers and draft_layers[0].num_experts >= draft_layers[0].ep.slots_per_rank:
+        # a draft model with fewer experts than a rank's slots has each of them on every rank, and an unsharded one
+        # (a gang of one holds every expert) all of them: nothing to move
+        draft = draft_layers[0] if draft_layers else None
+        if draft is not None and draft.ep is not None and draft.num_experts >= draft.ep.slots_per_rank:
             self.groups["eplb_draft_balancedness"] = list(draft_layers)
         self.gang, self.interval, self.min_gain = gang, interval, min_gain
         self.num_steps = self.num_rebalances = self.moved_slots = 0
