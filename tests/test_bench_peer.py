@@ -85,7 +85,9 @@ def test_the_token_path_profile_accounts_for_each_layer(ray_cluster, tmp_path, c
     from rackserve.bench.token_path import main
 
     figures = main(["--isl", "24", "--osl", "8", "--streams", "1", "--workdir", str(tmp_path)])
-    assert 0 < figures["engine_ms"] and 0 < figures["rank_forward_ms"] < figures["instance_ms"]
+    # medians of different samples (the rank's phases, the caller's gaps): over 8 tokens on a loaded machine
+    # the phases' median may exceed the gaps', so only their presence is checked, not their order
+    assert 0 < figures["engine_ms"] and 0 < figures["rank_forward_ms"] and 0 < figures["instance_ms"]
     assert figures["http_ms"] > 0
     out = capsys.readouterr().out
     assert "the actor loop and Ray hops" in out and out.strip().splitlines()[-1].startswith('{"bench": "token_path"')

@@ -22,7 +22,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
 import torch
 
 from rackserve.engine.tool_grammar import text_until, tool_calls_lark
@@ -137,7 +136,10 @@ class Matcher:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of bitmask [B, ceil(V / 32)] int32 (CPU): bit t set iff token t may come next."""
-        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+        # what llguidance.torch.fill_next_token_bitmask does: importing that module costs every process
+        # that loads the engine 2 s (it compiles a torch function at import, loading dynamo and inductor)
+        v = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
     def accept(self, tokens: list[int]) -> int:
         """Advance by the longest prefix of `tokens` the grammar allows; how many that was."""

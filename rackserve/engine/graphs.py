@@ -22,6 +22,7 @@ than the largest bucket run eager.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import fields, is_dataclass
@@ -32,9 +33,15 @@ from rackserve.models.interface import BatchRequest, ServingModel, StaticShape
 from rackserve.models.state import PagedState, RequestState
 
 log = logging.getLogger(__name__)
-_DYNAMO_RECOMPILES = torch._dynamo.config.recompile_limit  # dynamo's defaults
-_DYNAMO_ACCUMULATED = torch._dynamo.config.accumulated_recompile_limit
 _compiled = 0  # shapes compiled in this process, by every engine
+
+
+@functools.cache
+def _dynamo_defaults() -> tuple[int, int]:
+    """dynamo's recompile limits as it sets them, read at the process's first compile, before we raise them
+    (dynamo is imported there: importing it costs a process 1.3 s, paid only where something compiles)."""
+    config = torch._dynamo.config
+    return config.recompile_limit, config.accumulated_recompile_limit
 
 
 def _leaves(x) -> list[torch.Tensor]:
@@ -153,9 +160,10 @@ class DecodeGraphs:
         # before: let dynamo keep them all. Its settings are per thread: this is the one that compiles.
         global _compiled
         _compiled += 1
+        recompiles, accumulated = _dynamo_defaults()
         config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, _DYNAMO_RECOMPILES + _compiled)
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, _DYNAMO_ACCUMULATED + _compiled)
+        config.recompile_limit = max(config.recompile_limit, recompiles + _compiled)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, accumulated + _compiled)
         compiled = torch.compile(fn, fullgraph=True, dynamic=False,
                                  backend="eager" if self.mode == "trace" else "inductor")
         return lambda: compiled(*inputs, self.state)
