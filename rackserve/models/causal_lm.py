@@ -25,3 +25,13 @@ class CausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` without its random initialisation. Every model here is built on the meta device and
+    then loaded (or filled by a tiny checkpoint's own seeded draws); nn.Embedding's `normal_` on the meta
+    device runs through torch's reference ops, whose first call imports dynamo: 1.3 s of each process's start."""
+
+    def reset_parameters(self) -> None:
+        pass
+

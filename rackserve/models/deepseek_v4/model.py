@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from rackserve.models.causal_lm import CausalLM
+from rackserve.models.causal_lm import CausalLM, Embedding
 from rackserve.models.deepseek_v4.checkpoint_names import V4_NAMES
 from rackserve.models.deepseek_v4.config import SLIDING, ModelConfig
 from rackserve.models.deepseek_v4.batch import ForwardBatch
@@ -34,7 +34,7 @@ class DeepseekV4Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)

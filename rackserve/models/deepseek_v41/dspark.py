@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from rackserve.kernels import dispatch
+from rackserve.models.causal_lm import Embedding
 from rackserve.models.deepseek_v4.attention import SinkAttention
 from rackserve.models.deepseek_v4.batch import ForwardBatch, RingGather
 from rackserve.models.deepseek_v4.layers import RMSNorm
@@ -66,7 +67,7 @@ class MarkovHead(nn.Module):
 
     def __init__(self, vocab_size: int, rank: int):
         super().__init__()
-        self.embed = nn.Embedding(vocab_size, rank)
+        self.embed = Embedding(vocab_size, rank)
         self.head = nn.Linear(rank, vocab_size, bias=False)
 
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from rackserve.models.causal_lm import CausalLM
+from rackserve.models.causal_lm import CausalLM, Embedding
 from rackserve.models.deepseek_v4.batch import ForwardBatch
 from rackserve.models.deepseek_v4.checkpoint_names import V41_NAMES
 from rackserve.models.deepseek_v4.config import QuantConfig
@@ -50,7 +50,7 @@ class DeepseekV41Model(nn.Module):
     def __init__(self, config):
         super().__init__()
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rackserve.models.causal_lm import CausalLM
+from rackserve.models.causal_lm import CausalLM, Embedding
 from rackserve.models.qwen3_moe.attention import Attention
 from rackserve.models.qwen3_moe.batch import ForwardBatch
 from rackserve.models.qwen3_moe.config import ModelConfig
@@ -44,7 +44,7 @@ class DecoderLayer(nn.Module):
 class Qwen3MoeModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
