@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rackserve.models.moe import RoutedMoE
+
 
 class CausalLM(nn.Module):
     def __init__(self, config, body: nn.Module):
@@ -17,6 +19,19 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = body.embed_tokens.weight
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Uninitialised storage on `device` for every tensor of a model built on the meta device, the head
+        tied again where the config ties it, and the slot maps of experts sharded there rebuilt.
+
+        Not `Module.to_empty`: its `empty_like` of a meta tensor runs torch's Python reference ops, whose
+        first call costs a process 0.3 s of imports."""
+        self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for layer in self.modules():
+            if isinstance(layer, RoutedMoE) and layer.ep is not None:  # sharded on the meta device: its slot
+                layer.set_layout(layer.layout)  # maps are garbage now
 
     @property
     def dtype(self) -> torch.dtype:

@@ -47,17 +47,8 @@ def build_model(config, dtype: torch.dtype, device: torch.device | str = "cpu", 
         if not model.keeps_fp32(name):
             p.data = p.data.to(dtype)
     if materialize:
-        _materialize(model, device)
+        model.materialize(device)
     return model.eval()
-
-
-def _materialize(model: torch.nn.Module, device: torch.device | str) -> None:
-    model.to_empty(device=device)
-    if model.config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    for layer in model.modules():
-        if isinstance(layer, RoutedMoE) and layer.ep is not None:  # sharded on the meta device: its slot
-            layer.set_layout(layer.layout)  # maps are garbage now
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
@@ -119,7 +110,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], device: torch.device
     quantize_modules(model, _stored_shapes(model, entries))
     if shard is not None:
         model.shard_experts(*shard)
-    _materialize(model, device)
+    model.materialize(device)
     # the logical expert of each slot of a sharded MoE layer's experts
     held = {f"{name}.experts": m.local_experts for name, m in model.named_modules()
             if isinstance(m, RoutedMoE) and m.ep}

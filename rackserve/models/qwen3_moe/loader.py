@@ -73,12 +73,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
         model = Qwen3MoeForCausalLM(config).to(dtype)
     if shard is not None:
         model.shard_experts(*shard)
-    model.to_empty(device=device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    for layer in model.moe_layers:
-        if layer.ep is not None:  # sharded on the meta device: its slot maps are garbage now
-            layer.set_layout(layer.layout)
+    model.materialize(device)
     load_weights(model, checkpoint_files(path))
     return model.eval()
 
