@@ -15,7 +15,7 @@ Per fault, in turn:
    (distinct prompts of 24 token ids, --osl tokens, EOS ignored; every fourth of two choices), so that
    a replay must resume their seeded draws and token counts exactly, choice by choice,
    streamed over HTTP through Serve's proxy (httpx, server-sent events); their undisturbed text comes
-   from the same requests run once before the fault;
+   from the same requests run once before the fault (once per app: rows striking the same streams share it);
 3. once every stream has its first text, the fault: SIGKILL of a decode DP rank (with EPLB moving
    experts every other step, so within a step of a move), SIGSTOP of a decode DP rank (found by the
    gang's timeout; the restart kills it), SIGKILL of the prefill DP rank (struck instead while it
@@ -91,6 +91,9 @@ class App:
     plane: object
     replicas: int = 1  # ingress replicas
     cluster: RackCluster | None = None  # the cluster it runs on, when this process started it (nodes can be lost)
+    # the undisturbed texts of the batches run on it so far, by (prompts, osl): rows striking the same streams
+    # compare with the same run (greedy and seeded streams give the same text every time)
+    undisturbed: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -354,14 +357,17 @@ FAULTS: dict[str, Fault] = {
 }
 
 
-def undisturbed_texts(url: str, batch: list[list[int]], osl: int) -> list[str]:
-    """The streams' texts with no fault."""
-    runs = run_streams(url, batch, osl)
-    for _, thread in runs:
-        thread.join()
-    if any(out.error for out, _ in runs):
-        raise RuntimeError(f"a request failed with no fault: {[o.error for o, _ in runs if o.error]}")
-    return [out.text for out, _ in runs]
+def undisturbed_texts(app: App, batch: list[list[int]], osl: int) -> list[str]:
+    """The streams' texts with no fault (run once per app and batch)."""
+    key = (tuple(map(tuple, batch)), osl)
+    if key not in app.undisturbed:
+        runs = run_streams(app.url, batch, osl)
+        for _, thread in runs:
+            thread.join()
+        if any(out.error for out, _ in runs):
+            raise RuntimeError(f"a request failed with no fault: {[o.error for o, _ in runs if o.error]}")
+        app.undisturbed[key] = [out.text for out, _ in runs]
+    return app.undisturbed[key]
 
 
 def until_struck(app: App, runs: list[tuple[Outcome, threading.Thread]], strike: str) -> None:
@@ -386,7 +392,7 @@ def run_fault(app: App, fault: str, streams: int, osl: int, probes: int, hang_s:
     prefilling = spec.strike == "prefilling"
     batch = prompts(streams, seed, PREFILL_PROMPT_LEN if prefilling else PROMPT_LEN)
     # struck while prefilling, the prompts must be new to every cache: their undisturbed run comes after
-    expected = None if prefilling else undisturbed_texts(app.url, batch, osl)
+    expected = None if prefilling else undisturbed_texts(app, batch, osl)
     before = ttft_p50(app.url, probes)
     idle = decode_state_in_use(app)
     replays = replayed(app) if app.replicas == 1 else None
@@ -410,7 +416,7 @@ def run_fault(app: App, fault: str, streams: int, osl: int, probes: int, hang_s:
     settled = settle(app)
     redone = recomputed(app) - recomputed_before
     if expected is None:
-        expected = undisturbed_texts(app.url, batch, osl)
+        expected = undisturbed_texts(app, batch, osl)
     failures, recomputes = push_failures(app), recomputed(app)
     after = ttft_p50(app.url, probes)
     failures, recomputes = push_failures(app) - failures, recomputed(app) - recomputes
