@@ -233,6 +233,9 @@ class Tokenizer:
                                               **{k: v for k, v in given.items() if v is not None})
         except jinja2.TemplateError as e:
             raise ValueError(f"this model's chat template cannot render these messages: {e}") from None
+        except Exception as e:  # a template's expressions raise what Python raises (1 + "a": a TypeError)
+            raise ValueError(f"this model's chat template failed on these messages ({type(e).__name__}: {e}); "
+                             "fix the checkpoint's chat_template or send a prompt to /v1/completions") from None
 
     def template_mentions(self, text: str) -> bool:
         """Whether the checkpoint's jinja chat template writes `text` anywhere (False without one)."""
