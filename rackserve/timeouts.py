@@ -55,6 +55,9 @@ class Timeouts:
 
     # ---- the ingress replicas and their drain (rackserve.serve.app, drain) --------------------------------
     replica_report_s: float = 0.25  # how often a replica reports its requests in progress and learns if it drains
+    # Serve's health check of a replica: a data plane not answering this long is busy, not dead (under
+    # the health check's own 10 s timeout)
+    data_plane_check_s: float = 5.0
     retry_after_s: int = 1  # what a refused request's Retry-After header says (whole seconds, as HTTP wants)
     drain_poll_s: float = 0.25  # how often the drain reads the replicas' counts
     drain_call_s: float = 30.0  # a data plane that does not answer this long is not waited for: the app is deleted

@@ -5,7 +5,8 @@ One app serves every row of the DEP decode instance (faults one after another: e
 service as it found it, or the next row shows it); the split instance's expert rank has its own app.
 Each row: no stream hangs, every stream (half greedy, half seeded samples under penalties) completes
 with its undisturbed text (replayed where its decode gang failed: the replay resumes its draws and
-token counts) or, for none here, ends with an error; new requests succeed again; TTFT p50 after
+token counts) or, for none here but the data plane's death (which takes the engines), ends with an error;
+new requests succeed again; TTFT p50 after
 recovery within 1.5x before (with 50 ms of slack: probes of tens of ms on a shared machine); after
 recovery no push fails and no decode rank recomputes a prefill; the decode state memory in use returns
 to its idle level. An ingress replica's death is `test_serve_scale_out.py`'s, a node's `test_node_loss.py`'s.
@@ -17,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from helpers import assert_recovered, free_port, metric
+from helpers import RECOVERY_S, assert_recovered, free_port, metric
 from ray import serve
 
 from rackserve.bench import faults
@@ -86,6 +87,26 @@ def test_a_dead_kv_store_is_replaced_and_caches_again(dep_app):
         "model": "tiny", "prompt": turn + [5, 6, 7, 8], "max_tokens": 1, "temperature": 0}).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 64, usage
     assert metric(dep_app.url, hits) - hit_before >= 64  # found in the replacement store too
+
+
+@pytest.mark.slow
+def test_a_dead_serve_controller_costs_no_stream(dep_app):
+    row = faults.run_fault(dep_app, "SIGKILL Serve controller", STREAMS, OSL, PROBES)
+    assert_recovered(row, replayed=False)  # Ray restarts it; the proxy and the replicas never needed it
+
+
+@pytest.mark.slow
+def test_a_dead_data_plane_ends_its_streams_with_errors_and_is_built_again(dep_app):
+    """The engines die with the data plane that owns them: their streams end with an error (none hangs,
+    none parts from its text), Serve replaces the replicas its health check finds without one, and the new
+    replica builds the data plane again, which then serves as before. Last of the app's rows."""
+    row = faults.run_fault(dep_app, "SIGKILL data plane actor", STREAMS, OSL, PROBES)
+    assert row.hung == 0 and row.differed == 0 and row.completed + row.errored == row.streams, row
+    assert row.errored >= 1, row  # those in flight had no engine left
+    assert row.recovery_s < 2 * RECOVERY_S, row  # a health check period, then a whole data plane's start
+    assert row.push_failures_after == 0 and row.recomputed_after == 0 and row.memory_back, row
+    health = httpx.get(f"{dep_app.url}/health", timeout=30).json()
+    assert health["status"] == "healthy" and all(s == "ok" for s in health["instances"].values()), health
 
 
 @pytest.mark.slow

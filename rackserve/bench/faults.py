@@ -20,7 +20,9 @@ Per fault, in turn:
    experts every other step, so within a step of a move), SIGSTOP of a decode DP rank (found by the
    gang's timeout; the restart kills it), SIGKILL of the prefill DP rank (struck instead while it
    prefills the streams' prompts, of PREFILL_PROMPT_LEN tokens, new to every cache: their undisturbed
-   text is then taken after the row), of the KV store, of the
+   text is then taken after the row), of the KV store, of Serve's controller (Ray restarts it), of the
+   app's data plane actor (the engines it owns die with it, so their streams end with errors; the ingress
+   replicas' health check finds it dead, Serve replaces them and the new one builds it again), of the
    expert rank of the split instance, of the ingress replica that took the first stream; the loss of
    the node (tray) of the second decode instance, with its KV store (Ray declares the node dead after
    its health checks miss, ~15 s; the instance is re-planned onto the free tray, the store replaced
@@ -29,7 +31,7 @@ Per fault, in turn:
    (an error event, or cut off before its [DONE]), or hung (no end within --hang-s); "flight"
    counts the streams still running when the fault struck (the rest had ended: a loaded machine may
    finish a few first), "replayed" the requests the ingress replayed (its `rackserve_replayed_requests`;
-   not counted with two replicas), at most "flight";
+   not counted with two replicas, nor where the replicas were replaced), at most "flight";
 5. recovery: seconds from the fault until a new 1-token request succeeds;
 6. TTFT after: p50 of --probes once recovered and every instance serves again (its gang restarted,
    re-planned or not; up to 120 s) (target: within 1.5x of before), the push failures and
@@ -89,6 +91,7 @@ class App:
     name: str
     url: str
     plane: object
+    plane_name: str  # its named actor's (a data plane built again after a fault has the same name)
     replicas: int = 1  # ingress replicas
     cluster: RackCluster | None = None  # the cluster it runs on, when this process started it (nodes can be lost)
     # the undisturbed texts of the batches run on it so far, by (prompts, osl): rows striking the same streams
@@ -153,8 +156,9 @@ def start_app(name: str, settings: dict, port: int, cluster: RackCluster | None 
     url = f"http://127.0.0.1:{port}/{name}"
     ingress.wait_until_serving(url)
     config = ServeConfig.from_dict(settings)
-    plane = ray.get_actor(data_plane_name(config, name), namespace=NAMESPACE)
-    return App(name, url, plane, config.num_ingress_replicas, cluster)
+    plane_name = data_plane_name(config, name)
+    return App(name, url, ray.get_actor(plane_name, namespace=NAMESPACE), plane_name, config.num_ingress_replicas,
+               cluster)
 
 
 # the sampled streams' fields: a replay that restarted their draws or counts would change their text
@@ -323,6 +327,26 @@ def kill_ingress_replica(app: App, outs: list[Outcome]) -> None:
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
 
+def _actor_pid(actor) -> int:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+
+
+def kill_data_plane(app: App, outs: list[Outcome]) -> None:
+    """SIGKILL the app's data plane actor: the engines it owns die with it; the ingress replicas' health
+    check finds it dead, Serve replaces them, and the new replica builds it again."""
+    os.kill(_actor_pid(app.plane), signal.SIGKILL)
+
+
+def kill_serve_controller(app: App, outs: list[Outcome]) -> None:
+    """SIGKILL Serve's own controller (Ray restarts it; the proxy and the replicas go on without it)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    os.kill(_actor_pid(ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)), signal.SIGKILL)
+
+
 def lose_decode_node(app: App, outs: list[Outcome]) -> None:
     """Kill the node of the last decode instance's tray at once, everything on it with it (its ranks,
     a KV store): what a tray's crash does. `app.cluster.restore()` brings a node of that tray back."""
@@ -344,6 +368,7 @@ class Fault:
     app: str
     inject: Callable[[App, list[Outcome]], None]
     strike: str = "decoding"
+    rebuilds: bool = False  # the data plane and the ingress replicas are new after it (their counters too)
 
 
 FAULTS: dict[str, Fault] = {
@@ -351,6 +376,8 @@ FAULTS: dict[str, Fault] = {
     "SIGSTOP decode DP rank": Fault("dep", freeze_decode_rank),
     "SIGKILL prefill DP rank (prefilling)": Fault("dep", kill_prefill_rank, strike="prefilling"),
     "SIGKILL KV store": Fault("dep", kill_kv_store),
+    "SIGKILL Serve controller": Fault("dep", kill_serve_controller),
+    "SIGKILL data plane actor": Fault("dep", kill_data_plane, rebuilds=True),
     "SIGKILL expert rank (AFD)": Fault("afd", kill_expert_rank),
     "SIGKILL ingress replica (1 of 2)": Fault("ingress", kill_ingress_replica),
     "node loss (a decode tray)": Fault("node", lose_decode_node),
@@ -408,6 +435,13 @@ def run_fault(app: App, fault: str, streams: int, osl: int, probes: int, hang_s:
             break
         time.sleep(0.2)
     recovery = time.monotonic() - fault_at
+    if spec.rebuilds:  # what the replaced ingress built again
+        import ray
+
+        from rackserve.serve.controller import NAMESPACE
+
+        app.plane, replays = ray.get_actor(app.plane_name, namespace=NAMESPACE), None
+        recomputed_before = 0
     deadline = time.monotonic() + hang_s
     for _, thread in runs:
         thread.join(max(0.0, deadline - time.monotonic()))

@@ -224,6 +224,18 @@ class OpenAIServer:
         if hasattr(self, "deployment"):
             self.deployment.close()
 
+    async def check_health(self) -> None:
+        """Serve's health check of the replica: unhealthy once its data plane is dead (its engines died with
+        it, and every request would fail), so that Serve replaces the replica and the new one builds the
+        data plane again (`data_plane`: the named actor is gone). A data plane slow to answer is not dead."""
+        try:
+            await asyncio.wait_for(self.plane.info.remote(), TIMEOUTS.data_plane_check_s)
+        except asyncio.TimeoutError:
+            return
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"this replica's data plane is dead ({type(e).__name__}); Serve replaces the "
+                               "replica, and the new one starts a new data plane") from None
+
     # ---- plain routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
