@@ -49,4 +49,3 @@ class Embedding(nn.Embedding):
 
     def reset_parameters(self) -> None:
         pass
-
