@@ -99,3 +99,15 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serve_port(ray_cluster):
+    """Serve for the module's apps, its proxy on the head node: the proxy's port on 127.0.0.1. Shut down
+    after the module, so that an app a failed module left behind never reaches the next."""
+    from ray import serve
+
+    port = free_ports(1)
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()

@@ -18,8 +18,7 @@ import time
 
 import httpx
 import pytest
-from helpers import RECOVERY_S, assert_recovered, free_port, metric
-from ray import serve
+from helpers import RECOVERY_S, assert_recovered, metric
 
 from rackserve.bench import faults
 from rackserve.serve.app import delete
@@ -28,16 +27,8 @@ STREAMS, OSL, PROBES = 6, 32, 8
 
 
 @pytest.fixture(scope="module")
-def port(ray_cluster):
-    port = free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    yield port
-    serve.shutdown()
-
-
-@pytest.fixture(scope="module")
-def dep_app(port, tiny_checkpoint):
-    app = faults.start_app("faults-dep", {**faults.APPS["dep"], "model": str(tiny_checkpoint)}, port)
+def dep_app(serve_port, tiny_checkpoint):
+    app = faults.start_app("faults-dep", {**faults.APPS["dep"], "model": str(tiny_checkpoint)}, serve_port)
     yield app
     delete(app.name)
 
@@ -110,8 +101,8 @@ def test_a_dead_data_plane_ends_its_streams_with_errors_and_is_built_again(dep_a
 
 
 @pytest.mark.slow
-def test_a_dead_expert_rank_replays_its_instances_streams(port, tiny_checkpoint):
-    app = faults.start_app("faults-afd", {**faults.APPS["afd"], "model": str(tiny_checkpoint)}, port)
+def test_a_dead_expert_rank_replays_its_instances_streams(serve_port, tiny_checkpoint):
+    app = faults.start_app("faults-afd", {**faults.APPS["afd"], "model": str(tiny_checkpoint)}, serve_port)
     try:
         fault = "SIGKILL expert rank (AFD)"
         row = faults.run_fault(app, fault, STREAMS, OSL, PROBES)

@@ -10,7 +10,6 @@ import shutil
 
 import httpx
 import pytest
-from helpers import free_port
 from ray import serve
 
 from rackserve.engine import LLM, SamplingParams
@@ -22,14 +21,6 @@ FAILING = "{% if messages[-1]['content'] == 'boom' %}{{ messages[-1]['content'] 
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "state_memory_mb": 16}
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(scope="module")
-def port(ray_cluster):
-    port = free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    yield port
-    serve.shutdown()
 
 
 def serving(port: int, name: str, path) -> str:
@@ -46,13 +37,13 @@ def post(url: str, route: str, **body) -> httpx.Response:
     return httpx.post(f"{url}{route}", json={"model": "m", "max_tokens": 4, "temperature": 0, **body}, timeout=120)
 
 
-def test_a_chat_template_that_fails_is_a_400_and_other_chats_are_served(port, qwen3_checkpoint, tmp_path):
+def test_a_chat_template_that_fails_is_a_400_and_other_chats_are_served(serve_port, qwen3_checkpoint, tmp_path):
     path = tmp_path / "failing-template"
     shutil.copytree(qwen3_checkpoint, path)
     config_file = path / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "chat_template": FAILING + config["chat_template"]}))
-    url = serving(port, "failing-template", path)
+    url = serving(serve_port, "failing-template", path)
     try:
         boom = [{"role": "user", "content": "boom"}]
         for stream in (False, True):
@@ -71,12 +62,12 @@ def test_a_chat_template_that_fails_is_a_400_and_other_chats_are_served(port, qw
         delete("failing-template")
 
 
-def test_a_model_without_a_tokenizer_serves_token_ids_and_refuses_text(port, qwen3_checkpoint, tmp_path):
+def test_a_model_without_a_tokenizer_serves_token_ids_and_refuses_text(serve_port, qwen3_checkpoint, tmp_path):
     path = tmp_path / "no-tokenizer"
     shutil.copytree(qwen3_checkpoint, path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (path / name).unlink()
-    url = serving(port, "no-tokenizer", path)
+    url = serving(serve_port, "no-tokenizer", path)
     try:
         prompt = [5, 17, 33, 250, 7, 99]
         r = post(url, "/v1/completions", prompt=prompt, logprobs=0, return_tokens_as_token_ids=True,
