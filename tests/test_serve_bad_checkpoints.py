@@ -10,11 +10,10 @@ import shutil
 
 import httpx
 import pytest
-from ray import serve
 
+from rackserve.bench.faults import start_app
 from rackserve.engine import LLM, SamplingParams
-from rackserve.serve import ingress
-from rackserve.serve.app import build, delete
+from rackserve.serve.app import delete
 
 # fails (a TypeError, as a template's own expressions raise it) only on a conversation ending in "boom"
 FAILING = "{% if messages[-1]['content'] == 'boom' %}{{ messages[-1]['content'] + 1 }}{% endif %}"
@@ -27,10 +26,7 @@ def serving(port: int, name: str, path) -> str:
     """The app of checkpoint `path` (one decode-only DEP1 instance) under /`name`, once it answers; its URL."""
     settings = {"model": str(path), "served_model_name": "m", "prefill": "none", "decode": "1xDEP1", "kv_stores": 0,
                 "max_inflight": 8, "engine": ENGINE}
-    serve.run(build(settings), name=name, route_prefix=f"/{name}")
-    url = f"http://127.0.0.1:{port}/{name}"
-    ingress.wait_until_serving(url)
-    return url
+    return start_app(name, settings, port).url
 
 
 def post(url: str, route: str, **body) -> httpx.Response:

@@ -96,7 +96,7 @@ class App:
     cluster: RackCluster | None = None  # the cluster it runs on, when this process started it (nodes can be lost)
     # the undisturbed texts of the batches run on it so far, by (prompts, osl): rows striking the same streams
     # compare with the same run (greedy and seeded streams give the same text every time)
-    undisturbed: dict = field(default_factory=dict)
+    undisturbed: dict[tuple, list[str]] = field(default_factory=dict)
 
 
 @dataclass
