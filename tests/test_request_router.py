@@ -47,6 +47,23 @@ def test_requests_without_a_session_go_to_the_least_loaded_rank_and_a_burst_spre
     assert router.load("decode", DECODE[0]) == 500 + 200 * burst[DECODE[0]]
 
 
+def test_equal_loads_are_chosen_between_by_chance():
+    """An idle deployment's requests (each reported finished before the next) spread over its ranks
+    instead of all going to the first, and not in a fixed rotation either (conversations coming round
+    in a steady order would each meet the same rank): least-loaded routing has no affinity by accident."""
+    for policy in ("least_loaded", "session", "cache_aware"):
+        router = RequestRouter(DECODE, PREFILL, RoutingConfig(policy=policy))
+        picks = []
+        for _ in range(400):
+            router.update({rank: RankLoad() for rank in DECODE + PREFILL})
+            picks.append((router.decode_rank(None, 100), router.prefill_rank(None, 80)))
+        decode, prefill = Counter(d for d, _ in picks), Counter(p for _, p in picks)
+        assert set(decode) == set(DECODE) and min(decode.values()) > 60, (policy, decode)
+        assert set(prefill) == set(PREFILL) and min(prefill.values()) > 150, (policy, prefill)
+        # every other request (a conversation among two coming round in turn) meets either prefill rank
+        assert len({p for _, p in picks[::2]}) == 2, policy
+
+
 def test_10000_sessions_leave_the_router_as_small_as_its_ranks():
     """Affinity is a hash, not a table: a router holds a report and a counter per rank, whatever the
     number of sessions that passed through it."""

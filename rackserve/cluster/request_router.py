@@ -33,7 +33,10 @@ so N replicas route alike without talking to each other:
   order decides, so a session's turns meet the same rank while the index says nothing better. Policy
   "session" routes by it alone: the rank with the highest rendezvous hash of (session, rank) whose
   load is within `slack` of the mean (consistent hashing with bounded loads; a request without a session
-  goes to the least loaded rank); "least_loaded" by load alone.
+  goes to the least loaded rank); "least_loaded" by load alone. Between equal loads (an idle deployment's)
+  chance decides, as in least-connection and power-of-two-choices balancers: by list order, the first rank
+  would take every request that finds the ranks idle (one rank's cache, an affinity by accident), and
+  taking turns is an affinity too where conversations come round in a steady order.
 * **Faults.** A rank with no report (its gang restarting or down, or silent: its node may be gone)
   and the ranks of instances the caller names (`avoid`: found failed) get nothing while another rank
   can take the request.
@@ -44,6 +47,7 @@ so N replicas route alike without talking to each other:
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,6 +106,7 @@ class RequestRouter:
         self.index = IndexReplica(len(self._cache) + stores, ranks=len(self._cache))
         self._reported: dict[RankKey, RankLoad] = {}
         self._sent: dict[tuple[str, RankKey], int] = {}  # (role, rank) -> tokens routed since the last report
+        self._chance = random.Random(0)  # breaks ties between equal loads (module docstring)
 
     def update(self, loads: dict[RankKey, RankLoad]) -> None:
         """Take the ranks' latest reports ({rank: `DPRank.load()`}); what was routed before is in them."""
@@ -208,13 +213,14 @@ class RequestRouter:
         (None: by the policy's loads and sessions alone), counted as sent there."""
         loads = {rank: self.load(role, rank) for rank in ranks}
         policy = self.config.policy
-        if cost is None and policy != "session":  # nothing cached to weigh: the least loaded
+        hint = session if policy == "cache_aware" else None
+        if cost is None and hint:  # nothing cached to weigh: the least loaded, the session's order breaking ties
             cost = {rank: self.config.load_weight * loads[rank] for rank in ranks}
         if cost is not None:  # the cheapest; the session's order, else the lighter load, breaks ties
-            hint = session if policy == "cache_aware" else None
             chosen = min(ranks, key=lambda rank: (cost[rank], -_weight(hint, rank) if hint else loads[rank]))
-        elif session is None:
-            chosen = min(ranks, key=lambda rank: loads[rank])
+        elif policy != "session" or session is None:  # nothing cached to weigh, no session: the least loaded
+            chance = {rank: self._chance.random() for rank in ranks}  # between equal loads
+            chosen = min(ranks, key=lambda rank: (loads[rank], chance[rank]))
         else:
             bound = (1 + self.config.slack) * sum(loads.values()) / len(ranks) + tokens
             order = sorted(ranks, key=lambda rank: _weight(session, rank), reverse=True)
