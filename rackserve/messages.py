@@ -9,12 +9,12 @@
     data plane -> ingress        ModelInfo       the model's limits (`Controller.info`)
                                  Inflight        the ingress replicas' requests in progress (`Controller.inflight`)
 
-The transfer types travel as they are (`KVReservation`, `RemoteRegion`, a KV store's `(tokens,
-RemoteRegion)` prefix hit), as do `SamplingParams` and `RequestOutput`. Ray's serializer is the one
-codec of these calls: no dicts with agreed keys, no `to_wire`/`from_wire` lists. (The notifications
-ranks and stores send each other over NIXL are `rackserve.transfer.messages`, msgpack, since they
-ride on transfers, not on Ray.) Prompts are token ids everywhere here: text is tokenized once,
-where it comes in (the endpoint, `LLM`, `Instance`, `Deployment`: `rackserve.models.tokenizer.prompt_ids`).
+The transfer types travel as they are (`KVReservation`, `RemoteRegion`, a KV store's `StoreHit`),
+as do `SamplingParams` and `RequestOutput`. Ray's serializer is the one codec of these calls: no
+dicts with agreed keys, no `to_wire`/`from_wire` lists. (The notifications ranks and stores send each
+other over NIXL are `rackserve.transfer.messages`, msgpack, since they ride on transfers, not on Ray.)
+Prompts are token ids everywhere here: text is tokenized once, where it comes in (the endpoint,
+`LLM`, `Instance`, `Deployment`: `rackserve.models.tokenizer.prompt_ids`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # names only: this module imports nothing, so any layer may import it
     from rackserve.engine.sampling import SamplingParams
-    from rackserve.transfer.transport import KVReservation, RemoteRegion
+    from rackserve.transfer.transport import KVReservation, StoreHit
 
 RankKey = tuple[str, int]  # (instance name, DP rank): the same in every process
 
@@ -33,7 +33,7 @@ RankKey = tuple[str, int]  # (instance name, DP rank): the same in every process
 @dataclass(frozen=True)
 class Submit:
     """One request for a DP rank. `push_to`: a decode rank's reservation: prefill only, then push the
-    state there; `cached`: (tokens, where to READ them) of a prefix of the prompt in a KV store;
+    state there; `cached`: a prefix of the prompt in a KV store (where to READ it, where to resume);
     `resumed`: per choice, the output it generated before (a replay, see `Engine.add_request`);
     `consumer`: who polls for its outputs (none for a pushed request: its decode rank streams it)."""
 
@@ -41,7 +41,7 @@ class Submit:
     prompt: list[int]
     params: SamplingParams
     push_to: KVReservation | None = None
-    cached: tuple[int, RemoteRegion] | None = None
+    cached: StoreHit | None = None
     resumed: dict[int, list[int]] | None = None
     consumer: str = ""
 

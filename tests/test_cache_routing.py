@@ -1,16 +1,21 @@
 """Cache-aware routing on a P/D deployment without session ids: two decode and two prefill ranks, a
 workload of conversations that share a 20-block tool prefix, routed by what the ranks' caches hold
-prefills at least 1.2x fewer tokens than least-loaded routing (1.4-1.8x here; 1.8-2.4x while a hit
-had to end at a snapshot, when least-loaded routing could not even reuse the tool prefix on a rank
-that held it; less when the turns' timing sends a conversation off its rank to balance load); and a
-second router following the same block journal makes the same choices.
+prefills at least 1.5x fewer tokens than least-loaded routing (1.90x in two runs here: cache-aware
+~4.2K of 28.4K prompt tokens, within 7 % of the fewest possible, least-loaded ~8K; less when the
+turns' timing sends a conversation off its rank to balance load); and a second router following the
+same block journal makes the same choices.
+
+Least-loaded breaks ties between idle ranks by chance, so a conversation's next turn meets the rank
+holding its last turn half the time; elsewhere it recomputes what was said since its last visit
+there: on two ranks, twice a turn's new tokens on average even when nothing is evicted. Memory
+pressure takes it beyond that. Each prefill rank's cache holds `PREFILL_PAGES` blocks; the working
+set at the end is 6 conversations x 32 blocks of their own + the 20 tool blocks, ~212 blocks: split
+between the ranks (cache-aware: each conversation stays on one rank) it fits, held twice
+(least-loaded: every conversation everywhere) it does not, over the last turns. (With 120 pages:
+1.92-2.01x.)
 
 The deployment has no KV store, so that what the prefill ranks' own caches hold decides (a store
-holding the whole working set would give both policies the same hits). Each prefill rank's cache
-holds `PREFILL_PAGES` blocks; the working set at the end is 6 conversations x 32 blocks of their own
-+ the 20 tool blocks, ~212 blocks: split between the ranks (cache-aware: each conversation stays on
-one rank) it fits, held twice (least-loaded: every conversation everywhere) it does not, and LRU
-over a cycle that does not fit hits next to nothing.
+holding the whole working set would give both policies the same hits).
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ def test_cache_aware_routing_prefills_far_fewer_tokens_than_least_loaded(ray_clu
         dep.client.router.config = RoutingConfig(policy="least_loaded")
         least = conversations(dep, seed=1)
         print(f"prompt tokens {total}: prefilled cache-aware {aware}, least-loaded {least} ({least / aware:.2f}x)")
-        assert 1.2 * aware <= least, (aware, least, total)
+        assert 1.5 * aware <= least, (aware, least, total)
 
         # a second router, built from the owner as an ingress replica's is, holds the same index and,
         # with the same loads, makes the same choices

@@ -109,7 +109,7 @@ def kill_a_store_and_a_prefill_rank(deployment: Deployment, tiny_checkpoint) -> 
     [answer] = deployment.generate([first], greedy)  # turn 1: its prompt + answer are written to the store
     turn2 = first + answer.token_ids + [7, 8, 9]
     deadline = time.monotonic() + 30
-    while (ray.get(deployment.stores[0].lookup.remote(turn2)) or (0,))[0] < 64:
+    while getattr(ray.get(deployment.stores[0].lookup.remote(turn2)), "num_tokens", 0) < 64:
         assert time.monotonic() < deadline, "turn 1 never reached the store"
         time.sleep(0.1)
     lookup, hits = deployment.client._lookup, []
@@ -136,7 +136,7 @@ def kill_a_store_and_a_prefill_rank(deployment: Deployment, tiny_checkpoint) -> 
         [second] = deployment.generate([turn2], greedy)
     finally:
         deployment.client._lookup = lookup
-    assert hits[0] is not None and hits[0][0] >= 64, hits  # a pinned prefix it could not read
+    assert hits[0] is not None and hits[0].num_tokens >= 64, hits  # a pinned prefix it could not read
     pulls = {k: v for k, v in totals(deployment, "prefill").items() if "pull" in k}
     assert pulls["kv_pull_failures"] == failures + 1, pulls  # the READ was tried, and failed
     assert_like_single(tiny_checkpoint, [turn2], [second.token_ids], greedy)

@@ -149,16 +149,52 @@ def test_a_second_turn_reads_its_history_from_the_kv_store(tiny_checkpoint, stat
 
     hit = store.lookup(turn2)
     assert hit is not None
-    cached, where = hit
+    cached = hit.num_tokens
     block = prefill.cache.block_size
     assert cached == (len(turn1) + len(got1["t1"]) - 1) // block * block  # up to the answer's last boundary
+    assert hit.resume_at == cached  # a snapshot ends it
     reservation = decode.reserve_push(turn2, greedy, request_id="t2")
-    prefill.add_request(turn2, greedy, request_id="t2", push_to=reservation, cached=(cached, where))
+    prefill.add_request(turn2, greedy, request_id="t2", push_to=reservation, cached=hit)
     got2, finals = run_with_store(prefill, decode, store)
     assert_like_single_engine(tiny_checkpoint, {"t2": (turn2, greedy)}, got2, state_dtype)
     assert finals["t2"].num_cached_tokens == cached  # the prefill rank computed only the new tokens
     assert prefill.stats()["kv_pulled_tokens"] == cached
     assert store.stats.pinned == 0  # the reader released what it read
+
+
+def test_a_prompt_diverging_inside_a_stored_prefix_reads_it_to_their_last_shared_block(tiny_checkpoint):
+    """A prompt that shares a stored conversation's first 170 tokens (a sub-agent branching off it, or
+    another conversation with the same tools) is served by the KV store up to the last full block
+    they share, 160 tokens, though no snapshot ends there: a prefill rank whose own cache holds none
+    of it reads those blocks and replays the last `replay_tokens` of them to rebuild its slot (80 on
+    the tiny model; a resume at the closest snapshot, none here, would read nothing). Outputs equal the
+    single engine's."""
+    from rackserve.engine.prefix_store import PrefixStore
+
+    prefill, decode = pair(tiny_checkpoint)
+    store = PrefixStore(prefill.model.config, prefill.cache.block_size, KVAgent(f"test-store-{next(_names)}", 8 << 20),
+                        memory_mb=16, inbox_bytes=1 << 20, dtype=prefill.model.dtype)
+    other = Engine(load_model(tiny_checkpoint), config=prefill.config, kv=KVAgent(f"test-prefill-{next(_names)}", 8 << 20))
+    other.kv.agent.add_peer(decode.kv.agent.metadata())
+    for engine in (prefill, decode, other):
+        engine.attach_store(store.agent.metadata(), store.add_writer(engine.kv.agent.metadata()))
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, seed=3)
+    turn1 = prompt(200, seed=18)
+    submit(prefill, decode, "t1", turn1, greedy)
+    got1, _ = run_with_store(prefill, decode, store)
+    branch = (turn1 + got1["t1"])[:170] + prompt(30, seed=19)
+
+    replay = other.cache.replay_tokens
+    hit = store.lookup(branch)
+    assert replay == 80 and hit is not None and (hit.num_tokens, hit.resume_at) == (160, 160 - replay)
+    reservation = decode.reserve_push(branch, greedy, request_id="t2")
+    other.add_request(branch, greedy, request_id="t2", push_to=reservation, cached=hit)
+    got2, finals = run_with_store(other, decode, store)
+    assert_like_single_engine(tiny_checkpoint, {"t2": (branch, greedy)}, got2)
+    assert finals["t2"].num_cached_tokens == 160 - replay
+    stats = other.stats()
+    assert stats["kv_pulled_tokens"] == 160 and stats["kv_pulls_local"] == 0
+    assert other.cache.stats.replayed_tokens == replay
 
 
 def run_with_store(prefill: Engine, decode: Engine, store) -> tuple[dict, dict]:

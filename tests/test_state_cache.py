@@ -102,3 +102,22 @@ def test_pages_in_use_are_never_evicted():
     other = cache.allocate()
     assert not cache.reserve(other, 16)  # both pages belong to a running request
     assert cache.stats.evictions == 0 and holder.pages
+
+
+def test_at_the_snapshot_limit_each_conversation_keeps_its_newest_turn_end():
+    """Conversations resumed turn after turn pile snapshots along their chains; once they reach the
+    limit, the least recently used go (older turns' ends), never the turn end just taken, though its
+    block is the one a freed request leaves oldest among its pages."""
+    cache = cache_with(requests=2, pages=60, snapshots=4)
+    history = {c: prompt(32, seed=10 + c) for c in range(2)}
+    for turn in range(5):
+        for c in history:
+            handle = cache.allocate(history[c] + [1])
+            if turn:  # the previous turn's end, its snapshot kept
+                assert handle.num_tokens == len(history[c]), (turn, c)
+            history[c] = history[c] + prompt(16, seed=100 * turn + c)
+            assert cache.reserve(handle, len(history[c]))
+            handle.num_tokens = len(history[c])
+            cache.commit(handle, history[c])
+            cache.free(handle)
+    assert len(cache._snapshots) == 4 and cache.stats.evictions >= 6

@@ -23,6 +23,7 @@ from rackserve.messages import BlockDelta
 from rackserve.models import read_config, resolve
 from rackserve.timeouts import TIMEOUTS
 from rackserve.transfer.kv_agent import KVAgent, RemoteRegion
+from rackserve.transfer.transport import StoreHit
 
 
 class KVStore:
@@ -39,7 +40,8 @@ class KVStore:
         agent = KVAgent(f"{name}-{secrets.token_hex(4)}", int(pool_mb * 2**20))
         self.store = PrefixStore(config, ranks.block_size, agent, memory_mb, int(inbox_mb * 2**20),
                                  draft_layers=int(ranks.speculative_tokens > 0), dtype=getattr(torch, ranks.dtype),
-                                 state_dtype=ranks.state_dtype, disk_bytes=int(disk_mb * 2**20),
+                                 state_dtype=ranks.state_dtype, bounded_replay=ranks.bounded_replay,
+                                 disk_bytes=int(disk_mb * 2**20),
                                  disk_path=str(Path(disk_path or Path(tempfile.gettempdir()) / "rackserve-kv") / name))
         self._lock = threading.Lock()
         self._busy_until = 0.0
@@ -64,8 +66,8 @@ class KVStore:
             for name in names:
                 self.store.remove_writer(name)
 
-    def lookup(self, token_ids: list[int]) -> tuple[int, RemoteRegion] | None:
-        """(cached tokens, the region to READ them from) for the longest cached prefix, or None."""
+    def lookup(self, token_ids: list[int]) -> StoreHit | None:
+        """The longest cached prefix (`PrefixStore.lookup`), or None."""
         with self._lock:
             hit = self.store.lookup(token_ids)
             self._busy_until = time.monotonic() + TIMEOUTS.store_busy_for_s

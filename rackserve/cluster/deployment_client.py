@@ -48,7 +48,7 @@ from rackserve.engine.detokenizer import IncrementalDetokenizer
 from rackserve.messages import BlockFeed, DeploymentView, RankKey, RankLoad
 from rackserve.models.tokenizer import Tokenizer, prompt_ids
 from rackserve.timeouts import TIMEOUTS
-from rackserve.transfer.transport import RemoteRegion
+from rackserve.transfer.transport import StoreHit
 
 
 class DeploymentOwner(GangOwner, Protocol):
@@ -150,7 +150,7 @@ class DeploymentClient:
                 pass
 
     # ---- KV stores -----------------------------------------------------------------------------------
-    def _lookup(self, decode_at: RankKey, ids: list[int]) -> tuple[int, RemoteRegion] | None:
+    def _lookup(self, decode_at: RankKey, ids: list[int]) -> StoreHit | None:
         """The longest cached prefix of `ids` in the KV store `decode_at` writes to, if any. A store
         found dead is skipped for `TIMEOUTS.store_retry_s`, then its owner's replacement is taken."""
         k = self.rank_store.get(decode_at)
@@ -217,7 +217,7 @@ class DeploymentClient:
             hit = self._lookup(decode_at, context)
             with self._lock:  # chosen once it is known to be needed, for what it will prefill
                 prefill_at = route.prefill = self.router.prefill_rank(route.session, len(context), keys,
-                                                                      hit[0] if hit else 0)
+                                                                      hit.resume_at if hit else 0)
             # a prefill instance found dead here restarts and takes it; if it cannot, the decode
             # rank's reservation expires and it prefills the request itself
             try:

@@ -43,7 +43,7 @@ from rackserve.messages import MemberPing
 from rackserve.models import read_config, resolve
 from rackserve.models.tokenizer import Tokenizer, prompt_ids
 from rackserve.placement import planner, rebalance
-from rackserve.transfer.transport import KVReservation, RemoteRegion
+from rackserve.transfer.transport import KVReservation, RemoteRegion, StoreHit
 
 
 class Instance:
@@ -161,7 +161,7 @@ class Instance:
     # ---- requests (through the instance's own client) ----------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                rank: int | None = None, push_to: KVReservation | None = None,
-               cached: tuple[int, RemoteRegion] | None = None) -> str:
+               cached: StoreHit | None = None) -> str:
         """See `InstanceClient.submit`; text is tokenized here."""
         return self.client.submit(prompt_ids(self.tokenizer, prompt), params, request_id, rank, push_to, cached)
 

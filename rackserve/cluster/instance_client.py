@@ -39,7 +39,7 @@ from rackserve.cluster.output_stream import OutputStream
 from rackserve.engine import RequestOutput, SamplingParams
 from rackserve.messages import Submit
 from rackserve.timeouts import TIMEOUTS
-from rackserve.transfer.transport import KVReservation, RemoteRegion
+from rackserve.transfer.transport import KVReservation, StoreHit
 
 
 class GangOwner(Protocol):
@@ -97,7 +97,7 @@ class InstanceClient:
     # ---- requests ------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None,
                rank: int | None = None, push_to: KVReservation | None = None,
-               cached: tuple[int, RemoteRegion] | None = None, resumed: dict[int, list[int]] | None = None) -> str:
+               cached: StoreHit | None = None, resumed: dict[int, list[int]] | None = None) -> str:
         """Queue a request of prompt token ids on DP rank `rank` (default: the one streaming the fewest of
         ours); returns its id. A gang found dead here is restarted first, so the request is served.
         `push_to`/`cached`/`resumed`: see `Submit` (disaggregated prefill, a replay)."""

@@ -30,7 +30,7 @@ from rackserve.models.interface import ServingModel
 from rackserve.models.tokenizer import Tokenizer
 from rackserve.timeouts import TIMEOUTS
 from rackserve.timing import phase
-from rackserve.transfer.transport import KVReservation, KVTransport, RemoteRegion
+from rackserve.transfer.transport import KVReservation, KVTransport, RemoteRegion, StoreHit
 
 
 class RequestError(ValueError):
@@ -103,13 +103,14 @@ class Engine:
 
     def add_request(self, prompt: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, push_to: KVReservation | None = None,
-                    cached: tuple[int, RemoteRegion] | None = None,
+                    cached: StoreHit | None = None,
                     resumed: dict[int, list[int]] | None = None) -> Request:
         """Queue a request of prompt token ids; raises `RequestError` for input it cannot serve.
         Returns its first choice (`Request.choices` lists all of them, for `params.n` > 1).
         With `push_to`, only prefill it (and sample its first token; with n > 1, the prompt but its
         last token, see `Scheduler`), then push its state there.
-        `cached`: (tokens, where) of a prefix of it in a KV store (`PrefixStore.lookup`), read first.
+        `cached`: a prefix of it in a KV store (`PrefixStore.lookup`), read first (one that ends
+        without a snapshot, only where this rank's state can rebuild a slot).
         `resumed`: per choice index, the output it generated before (a replay after its ranks failed):
         prefilled with the prompt, and counted as output by max_tokens, min_tokens, the penalties and
         the seeded draws, so it goes on as if it had never stopped; a choice missing from it finished
@@ -120,10 +121,12 @@ class Engine:
         if push_to is not None:  # the choices fork on the decode rank
             req.forks = []
         req.push_to = push_to
-        if cached is not None and self.cache.cached_tokens(req.token_ids) >= cached[0]:
+        if cached is not None and cached.resume_at < cached.num_tokens and not self.cache.replay_tokens:
+            cached = None  # it ends without a snapshot, and this rank's state cannot rebuild a slot
+        if cached is not None and self.cache.cached_tokens(req.token_ids) >= cached.resume_at:
             self.kv.stats.pulls_local += 1  # this rank's own cache holds as much: no READ to wait for
             cached = None
-        if cached is None or not self.kv.pull(req, *cached):
+        if cached is None or not self.kv.pull(req, cached):
             self.scheduler.add(req)
         return req
 

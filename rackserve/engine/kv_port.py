@@ -13,8 +13,9 @@ Prefill side: `push` exports a prefilled request's state into the pool and start
 fails (`PushFailed`). The notifications are `rackserve.transfer.messages`.
 
 With a KV store (`attach_store`, see `prefix_store.py`): `pull` READs a cached prefix of a new
-request before it is prefilled (it then waits in `incoming` like a pushed state); `put` WRITEs the
-longest snapshotted prefix of a request into this rank's inbox at the store.
+request before it is prefilled (it then waits in `incoming` like a pushed state; a prefix that ends
+without a snapshot is replayed from its `resume_at` over the blocks read); `put` WRITEs the longest
+snapshotted prefix of a request into this rank's inbox at the store.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from rackserve.engine.state_cache import CacheHandle, StateCache
 from rackserve.timeouts import TIMEOUTS
 from rackserve.transfer.messages import Freed, Pushed, PushFailed, Put, Release, receive, send
 from rackserve.transfer.pool import RangeAllocator
-from rackserve.transfer.transport import (ALIGN, KVReservation, KVTransport, RemoteRegion, Transfer,
+from rackserve.transfer.transport import (ALIGN, KVReservation, KVTransport, RemoteRegion, StoreHit, Transfer,
                                           TransferError)
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class Incoming:
     read: Transfer | None = None
     num_tokens: int = 0  # tokens of a pulled prefix
     source: RemoteRegion | None = None
+    resume_at: int = 0  # where a pulled prefix's prefill goes on (below num_tokens: a rebuild first)
 
     @property
     def pulled(self) -> bool:
@@ -209,9 +211,12 @@ class KVPort:
                 break
             req = inc.request
             self.load(inc, handle)
-            self.cache.commit(handle, req.token_ids)  # its full blocks join the local prefix cache
+            if inc.pulled and inc.resume_at < num_tokens:  # blocks without a snapshot: rebuild the slot
+                self.cache.rebuild(handle, req.token_ids)
+            else:
+                self.cache.commit(handle, req.token_ids)  # its full blocks join the local prefix cache
             if inc.pulled:  # a cached prefix: prefill goes on from there
-                req.num_cached = num_tokens
+                req.num_cached = handle.num_tokens
                 scheduler.admit_loaded(req, handle)
             elif req.fork_at is not None:  # n > 1: pushed before sampling, its choices fork here
                 req.num_cached = inc.first[2]
@@ -222,9 +227,10 @@ class KVPort:
         return outputs
 
     # ---- KV store ------------------------------------------------------------------------------------
-    def pull(self, req: Request, num_tokens: int, source: RemoteRegion) -> bool:
-        """Start READing a cached prefix of `req` (`num_tokens` tokens at `source`); False if it
-        cannot start (the request is then prefilled from scratch)."""
+    def pull(self, req: Request, hit: StoreHit) -> bool:
+        """Start READing a cached prefix of `req` (`hit`, a KV store's lookup); False if it cannot
+        start (the request is then prefilled from scratch)."""
+        source, num_tokens = hit.region, hit.num_tokens
         offset = self.agent.alloc(source.nbytes) if source.nbytes == self.cache.state.blob_nbytes(num_tokens) else None
         if offset is None:
             self.stats.pull_failures += 1
@@ -236,7 +242,7 @@ class KVPort:
             self.stats.pull_failures += 1
             return False
         self.incoming[req.request_id] = Incoming(req, offset, source.nbytes, float("inf"), read=read,
-                                                 num_tokens=num_tokens, source=source)
+                                                 num_tokens=num_tokens, source=source, resume_at=hit.resume_at)
         return True
 
     def put(self, req: Request) -> None:

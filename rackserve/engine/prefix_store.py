@@ -7,9 +7,11 @@ budget) in host memory behind a `KVTransport` (a `KVAgent` in the actor):
   WRITEs a prefix's state (a block boundary's snapshot + the prefix's pages, `PagedState.export_into`
   layout) into its inbox with the notification `Put`; `poll` imports it, registers its blocks and
   snapshot, and answers `Freed` so the writer can reuse the range.
-* GET: `lookup(token_ids)` exports the longest cached prefix (ending in a snapshot) into a pinned
-  range and returns where it is; the reader READs it and sends `Release`. Pins expire after
-  `pin_ttl_s` in case a reader dies.
+* GET: `lookup(token_ids)` exports the longest cached prefix into a pinned range and returns where
+  it is (`StoreHit`); the reader READs it and sends `Release`. Pins expire after `pin_ttl_s` in case
+  a reader dies. A prefix may end at any cached block: where it has no snapshot, the reader replays
+  its last tokens over the blocks read to rebuild the slot (`StateCache.rebuild`), as a rank does on
+  such a hit in its own cache; a closer snapshot still wins when resuming there computes less.
 * With `disk_bytes`, blocks evicted from host memory go to a local-disk tier (`DiskTier`, under
   `disk_path`) and a lookup reaching one reads it back into host memory first.
 
@@ -30,7 +32,7 @@ from rackserve.engine.disk_tier import DiskTier
 from rackserve.engine.state_cache import StateCache
 from rackserve.models.interface import ModelSpec
 from rackserve.transfer.messages import Freed, Put, Release, receive, send
-from rackserve.transfer.transport import KVTransport, RemoteRegion
+from rackserve.transfer.transport import KVTransport, RemoteRegion, StoreHit
 
 log = logging.getLogger(__name__)
 
@@ -50,28 +52,31 @@ class StoreStats:
 def store_cache(config: ModelSpec, block_size: int, budget_bytes: int, snapshot_share: float = 0.25,
                 device: str = "cpu", **layout) -> StateCache:
     """A KV store's cache: blocks and snapshots in `budget_bytes`, `snapshot_share` of it at most for
-    snapshots; `layout`: the writers' `dtype`, `draft_layers`, `state_dtype` (`StateCache`'s)."""
+    snapshots; `layout`: the writers' `dtype`, `draft_layers`, `state_dtype`, `bounded_replay`
+    (`StateCache`'s). Its hits may end without a snapshot where its readers, which run the model,
+    can rebuild the slot (`exact_rebuild`)."""
     probe = StateCache(config, block_size, 1, budget_bytes, prefix_caching=True, max_snapshots=0, device="meta",
                        **layout)
     # a state without slot tensors (a plain KV cache) snapshots for free: at most one per cached block
     slot_bytes = probe.state.slot_bytes
     snapshots = max(1, int(budget_bytes * snapshot_share) // slot_bytes if slot_bytes else probe.num_pages)
     return StateCache(config, block_size, 1, budget_bytes, prefix_caching=True, max_snapshots=snapshots,
-                      device=device, **layout)
+                      device=device, exact_rebuild=True, **layout)
 
 
 class PrefixStore:
     def __init__(self, config: ModelSpec, block_size: int, agent: KVTransport, memory_mb: float,
                  inbox_bytes: int, snapshot_share: float = 0.25, pin_ttl_s: float = 30.0, draft_layers: int = 0,
-                 dtype: torch.dtype = torch.float32, state_dtype: str = "auto", disk_bytes: int = 0,
-                 disk_path: str | None = None):
+                 dtype: torch.dtype = torch.float32, state_dtype: str = "auto", bounded_replay: bool = False,
+                 disk_bytes: int = 0, disk_path: str | None = None):
         """`memory_mb` of cached state (blocks and snapshots; `snapshot_share` of it at most for
         snapshots); the agent's pool holds the inboxes (`inbox_bytes` per writer) and pinned reads;
-        `draft_layers`: 1 when the writers' state has the draft model's (speculative decoding); `dtype` and
-        `state_dtype`: the writers' (the store holds their bytes as they are); `disk_bytes` of a disk
+        `draft_layers`: 1 when the writers' state has the draft model's (speculative decoding); `dtype`,
+        `state_dtype` and `bounded_replay`: the writers' (the store holds their bytes as they are, and its
+        hits without a snapshot replay what theirs do); `disk_bytes` of a disk
         tier in the directory `disk_path` (this store's alone: it is emptied), none at 0."""
         self.cache = store_cache(config, block_size, int(memory_mb * 2**20), snapshot_share, dtype=dtype,
-                                 draft_layers=draft_layers, state_dtype=state_dtype)
+                                 draft_layers=draft_layers, state_dtype=state_dtype, bounded_replay=bounded_replay)
         self.disk = None
         if disk_bytes:
             if not disk_path:
@@ -103,9 +108,10 @@ class PrefixStore:
             self.agent.free(offset)
         self.agent.remove_peer(name)
 
-    def lookup(self, token_ids: list[int]) -> tuple[int, RemoteRegion] | None:
+    def lookup(self, token_ids: list[int]) -> StoreHit | None:
         """The longest cached prefix of `token_ids` (at least one token is left to compute): its
-        length in tokens and where to READ its state; None on a miss or when memory is short."""
+        length in tokens, where to READ its state, and where the reader resumes; None on a miss or
+        when memory is short."""
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(token_ids)
         promoted = self.cache.stats.promoted
@@ -114,7 +120,9 @@ class PrefixStore:
             return None
         promoted = self.cache.stats.promoted - promoted
         try:
-            n = handle.num_tokens
+            # a hit without a snapshot: the blocks up to its end (`entries_until`) go, the reader rebuilds
+            resume_at = handle.num_tokens
+            n = handle.num_tokens = max(handle.num_tokens, handle.entries_until)
             offset = self.agent.alloc(self.cache.state.blob_nbytes(n)) if n else None
             if offset is None:
                 return None
@@ -126,7 +134,7 @@ class PrefixStore:
         self.stats.hits += 1
         self.stats.hit_tokens += n
         self.stats.disk_hit_tokens += min(n, promoted * self.cache.block_size)
-        return n, region
+        return StoreHit(n, region, resume_at)
 
     def poll(self) -> None:
         """Take in PUTs and releases; drop expired pins."""

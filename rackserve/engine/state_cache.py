@@ -20,8 +20,11 @@ owns what:
   at the hit's end h, the request recomputes its last min(W, h) tokens to rebuild the windows (their
   entries stay as cached, the Engram lookback is written from the token ids), an approximation of the
   exact state that DeepSeek serves with.
+  `rebuild` does the same for blocks read from a KV store (`StoreHit.resume_at`).
 * Pages are reference-counted (holding requests + 1 for the cache); a cached block nobody holds is
-  evictable, least recently used first, when a request needs memory.
+  evictable, least recently used first, when a request needs memory. Snapshots have an LRU of their
+  own (taken or resumed at): a freed request's last block is the first of its pages to go, but its
+  snapshot, the end of a conversation's newest turn, is what the next turn resumes at.
 * Every block stored and evicted is logged (`events`, a `BlockLog`), for routers that route by
   what each cache holds (`rackserve.cluster.prefix_index`).
 * A lower tier (`attach_lower`, e.g. a KV store's `DiskTier`) takes the blocks evicted (a block there still
@@ -122,7 +125,9 @@ class StateCache:
         self._page_refs = [0] * int(pages)
         self._blocks: dict[bytes, _Block] = {}
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refs == 1 (cache only), oldest first
-        self._num_snapshots = 0
+        # blocks with a snapshot, least recently used (taken or resumed at) first: a conversation's
+        # newest turn end is what its next turn resumes at, so it goes after every older snapshot
+        self._snapshots: OrderedDict[bytes, None] = OrderedDict()
         self.lower: LowerTier | None = None  # `attach_lower`
         # the log holds the dict's method, not this cache's: no cycle keeps the state's memory alive
         self.events = BlockLog(self._blocks.keys)
@@ -154,7 +159,7 @@ class StateCache:
     def bytes_cached(self) -> int:
         """Of `bytes_in_use`, what only the prefix cache holds (snapshots, and blocks no request
         holds): given back as soon as requests need it."""
-        return len(self._evictable) * self.state.page_bytes + self._num_snapshots * self.state.slot_bytes
+        return len(self._evictable) * self.state.page_bytes + len(self._snapshots) * self.state.slot_bytes
 
     def pages_for(self, num_tokens: int) -> int:
         return self.state.pages_for(num_tokens)
@@ -189,6 +194,7 @@ class StateCache:
                 self.fence()
                 if snapshot is not None:
                     self.state.copy_slot(snapshot, slot)
+                    self._snapshots.move_to_end(chain[use])
                     handle.num_tokens = hit
                 else:  # bounded replay or an exact rebuild: the windows from the hit's last tokens
                     start = hit - min(self._replay_tokens, hit)
@@ -276,38 +282,48 @@ class StateCache:
         if not self.prefix_caching:
             return
         b = self.block_size
-        full = handle.num_tokens // b
-        for i in range(len(handle.block_hashes), full):
-            parent = handle.block_hashes[-1] if handle.block_hashes else b""
-            h = chain_hash(parent, token_ids[i * b:(i + 1) * b])
-            handle.block_hashes.append(h)
-            if h not in self._blocks:
-                self._blocks[h] = _Block(page=handle.pages[i])
-                self._ref_page(handle.pages[i])
-                self.events.stored(h)
-                if self.lower is not None:
-                    self.lower.discard([h])
+        full = self._register(handle, token_ids)
         # a replayed prefix (bounded replay) passes boundaries whose blocks are cached already
         if full and handle.num_tokens == full * b and full == len(handle.block_hashes):
             block = self._blocks[handle.block_hashes[-1]]
             passed = self._blocks.get(handle.passing_snapshot) if handle.passing_snapshot else None
             if block.snapshot is None and passed is not None and passed.snapshot is not None:
-                self._drop_snapshot(passed)  # taken by an earlier step: its copy ran
+                self._drop_snapshot(handle.passing_snapshot)  # taken by an earlier step: its copy ran
                 self.stats.evictions += 1
             handle.passing_snapshot = None
-            if block.snapshot is None and self._num_snapshots >= self.max_snapshots:
+            if block.snapshot is None and len(self._snapshots) >= self.max_snapshots:
                 self._evict_snapshot()  # the newest boundary is the likeliest to be resumed
-                if self._num_snapshots >= self.max_snapshots:
+                if len(self._snapshots) >= self.max_snapshots:
                     self._drop_superseded(handle)
-            if block.snapshot is None and self._num_snapshots < self.max_snapshots and self._free_slots:
+            if block.snapshot is None and len(self._snapshots) < self.max_snapshots and self._free_slots:
                 block.snapshot = self._free_slots.pop()
+                self._snapshots[handle.block_hashes[-1]] = None
                 handle.passing_snapshot = handle.block_hashes[-1] if passing else None
                 if copies is None:
                     self.state.copy_slot(handle.slot, block.snapshot)
                 else:
                     copies.append((handle.slot, block.snapshot))
-                self._num_snapshots += 1
                 self.stats.snapshots += 1
+
+    def rebuild(self, handle: CacheHandle, token_ids: list[int]) -> None:
+        """`handle` holds the pages of its first `num_tokens` tokens (whole blocks), read from a KV
+        store's blocks that end without a snapshot, and a slot of no use: register the blocks and set
+        it to replay the last `replay_tokens` of them over those pages, rebuilding the slot, as
+        `allocate` does on such a hit of this cache's own (`token_ids`: at least its tokens)."""
+        hit = handle.num_tokens
+        if self.prefix_caching:
+            self._register(handle, token_ids)
+        start = hit - min(self._replay_tokens, hit)
+        self.state.prime(handle.slot, token_ids, start)
+        handle.num_tokens = handle.window_from = start
+        handle.entries_until = hit
+        self.stats.replayed_tokens += hit - start
+
+    @property
+    def replay_tokens(self) -> int:
+        """Tokens a hit on a block without a snapshot replays before it (bounded replay's window, or an
+        exact rebuild's); 0: a hit needs a snapshot."""
+        return self._replay_tokens
 
     def prefix_state(self, handle: CacheHandle) -> RequestState | None:
         """The state at the end of `handle`'s longest cached prefix that has a snapshot: the snapshot's
@@ -329,6 +345,23 @@ class StateCache:
         if use < 0 or self._blocks[chain[use]].snapshot is not None:
             return hit
         return hit - min(self._replay_tokens, hit)
+
+    def _register(self, handle: CacheHandle, token_ids: list[int]) -> int:
+        """Add `handle`'s newly completed full blocks to the index (their pages held by it too); the
+        number of full blocks it has."""
+        b = self.block_size
+        full = handle.num_tokens // b
+        for i in range(len(handle.block_hashes), full):
+            parent = handle.block_hashes[-1] if handle.block_hashes else b""
+            h = chain_hash(parent, token_ids[i * b:(i + 1) * b])
+            handle.block_hashes.append(h)
+            if h not in self._blocks:
+                self._blocks[h] = _Block(page=handle.pages[i])
+                self._ref_page(handle.pages[i])
+                self.events.stored(h)
+                if self.lower is not None:
+                    self.lower.discard([h])
+        return full
 
     def _usable(self, chain: list[bytes], best: int) -> int:
         """Of a `_lookup`'s chain, the index of the last block a request can start after (-1: none):
@@ -371,9 +404,9 @@ class StateCache:
             if got is None:
                 return
             data, snapshot = got
-            if snapshot and self._num_snapshots >= self.max_snapshots:
+            if snapshot and len(self._snapshots) >= self.max_snapshots:
                 self._evict_snapshot(frozenset(chain))
-            slot = self._free_slots.pop() if snapshot and self._num_snapshots < self.max_snapshots \
+            slot = self._free_slots.pop() if snapshot and len(self._snapshots) < self.max_snapshots \
                 and self._free_slots else None
             page = self._free_pages.pop()
             self._page_refs[page] = 1
@@ -381,7 +414,8 @@ class StateCache:
             self.state.write_block(data, page, slot)
             self._blocks[parent] = _Block(page=page, snapshot=slot)
             self._evictable[parent] = None
-            self._num_snapshots += slot is not None
+            if slot is not None:
+                self._snapshots[parent] = None
             self.events.stored(parent)
             self.stats.promoted += 1
 
@@ -392,23 +426,22 @@ class StateCache:
         return self._free_slots.pop() if self._free_slots else None
 
     def _evict_snapshot(self, chain: frozenset[bytes] = frozenset()) -> None:
-        """Free the least recently used evictable snapshot's slot (requests come before snapshots).
-        With a lower tier its block goes down with it: a hit there needs both. The blocks of `chain`
-        (a lookup's, being read back) keep theirs unless no other is left; then one loses only its
-        snapshot (a later block's is what the lookup needs)."""
+        """Free the slot of the least recently used snapshot on a block nobody holds (requests come
+        before snapshots). With a lower tier its block goes down with it: a hit there needs both. The
+        blocks of `chain` (a lookup's, being read back) keep theirs unless no other is left; then one
+        loses only its snapshot (a later block's is what the lookup needs)."""
         fallback = None
-        for h in self._evictable:
-            block = self._blocks[h]
-            if block.snapshot is None:
+        for h in self._snapshots:
+            if h not in self._evictable:
                 continue
             if h in chain:
-                fallback = fallback or block
+                fallback = fallback or h
             elif self.lower is not None:
                 del self._evictable[h]
                 self._evict(h)
                 return
             else:
-                fallback = block
+                fallback = h
                 break
         if fallback is not None:
             self._drop_snapshot(fallback)
@@ -422,7 +455,7 @@ class StateCache:
         for h in reversed(handle.block_hashes[:-1]):
             block = self._blocks.get(h)
             if block is not None and block.snapshot is not None:
-                self._drop_snapshot(block)
+                self._drop_snapshot(h)
                 self.stats.evictions += 1
                 return
 
@@ -444,14 +477,17 @@ class StateCache:
         if not kept:
             self.events.removed(h)
         if block.snapshot is not None:
-            self._drop_snapshot(block)
+            self._free_slots.append(block.snapshot)
+            del self._snapshots[h]
         self._unref_page(block.page)
         self.stats.evictions += 1
 
-    def _drop_snapshot(self, block: _Block) -> None:
+    def _drop_snapshot(self, h: bytes) -> None:
+        """Free the slot of cached block `h`'s snapshot; the block stays."""
+        block = self._blocks[h]
         self._free_slots.append(block.snapshot)
         block.snapshot = None
-        self._num_snapshots -= 1
+        del self._snapshots[h]
 
     def _ref_page(self, page: int) -> None:
         self._page_refs[page] += 1

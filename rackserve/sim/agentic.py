@@ -157,7 +157,8 @@ class SimDeployment:
                              f"{cache.pages_for(rack.max_model_len)}; raise --state-gib or lower --max-model-len")
         self.hardware, self.efficiency = preset(rack.hardware), Efficiency()
         self.store = store_cache(model, self.block_size, int(rack.store_gib * GIB), device="meta",
-                                 dtype=torch.bfloat16, state_dtype=PRECISIONS[rack.precision].state_dtype)
+                                 dtype=torch.bfloat16, state_dtype=PRECISIONS[rack.precision].state_dtype,
+                                 bounded_replay=first.engine.bounded_replay)
         self.store_stats = StoreStats()
         self.disk = DiskModel(int(rack.disk_gib * GIB), self.store.events.removed) if disk else None
         if self.disk is not None:
@@ -248,7 +249,8 @@ class SimDeployment:
 
     # ---- the KV store --------------------------------------------------------------------------------
     def _lookup(self, prompt: list[int]) -> tuple[int, int]:
-        """As `PrefixStore.lookup`: the store's prefix of `prompt` (tokens), and the bytes of it read back from disk."""
+        """As `PrefixStore.lookup`: the store's prefix of `prompt` (tokens: where the rank resumes, after
+        replaying the tokens a hit without a snapshot rebuilds), and the bytes of it read back from disk."""
         stats, promoted = self.store_stats, self.store.stats.promoted
         read = self.disk.bytes_read if self.disk is not None else 0
         stats.lookups += 1

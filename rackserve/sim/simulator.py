@@ -200,7 +200,8 @@ class Simulator:
         for _ in range(cost.world):
             cache = StateCache(model, self.engine.block_size, self.engine.max_num_seqs, state_bytes,
                                self.engine.prefix_caching, self.engine.prefix_snapshots, torch.bfloat16, device="meta",
-                               state_dtype=cost.p.state_dtype)
+                               state_dtype=cost.p.state_dtype, bounded_replay=self.engine.bounded_replay,
+                               exact_rebuild=True)  # as the engine's
             self.ranks.append(_Rank(Scheduler(self.engine, cache)))
         self._slot_bytes, self._page_bytes = cache.state.slot_bytes, cache.state.page_bytes
         self._ids = itertools.count()

@@ -46,6 +46,18 @@ class RemoteRegion:
 
 
 @dataclass(frozen=True)
+class StoreHit:
+    """A KV store's answer to a lookup: the state of the prompt's first `num_tokens` tokens (whole
+    blocks) to READ at `region`, and `resume_at`: where the reader's prefill goes on. `num_tokens`
+    when the prefix ends at a snapshot; earlier when it does not, by the tokens the reader replays over
+    the blocks read to rebuild its slot (`PagedState.rebuild_tokens`, or bounded replay's window)."""
+
+    num_tokens: int
+    region: RemoteRegion
+    resume_at: int
+
+
+@dataclass(frozen=True)
 class KVReservation:
     """A decode rank's promise to take one request's pushed state: where to WRITE it, until when.
 
