@@ -49,3 +49,32 @@ def test_losing_a_tray_replays_its_streams_elsewhere_and_replans_its_instance(ra
         delete(app.name)
         serve.shutdown()
         ray_cluster.restore()
+
+
+@pytest.mark.slow
+def test_losing_the_prefill_tray_while_it_prefills_costs_only_recomputation(ray_cluster, tiny_checkpoint):
+    """The prefill instance's node is killed while its rank holds the streams' prompts (and its tray's KV
+    store with it): the decode ranks' reservations expire and they prefill the prompts themselves, every
+    stream completes with its undisturbed text, and the instance is re-planned onto a tray that lives."""
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    app = faults.start_app("faults-node-prefill", {**faults.APPS["node"], "model": str(tiny_checkpoint)}, port,
+                           ray_cluster)
+    try:
+        before = ray.get(app.plane.trays.remote())
+        lost = before["prefill-DEP1-0"][0]
+        assert lost != "rack0/tray0", before
+        row = faults.run_fault(app, "node loss (prefill tray, prefilling)", STREAMS, OSL, PROBES)
+        assert_recovered(row, replayed=False)  # nothing to replay: the decode ranks held their streams
+        assert row.redone >= 1, row  # reservations given up with the prompts the lost rank held
+
+        after = ray.get(app.plane.trays.remote())
+        assert lost not in after["prefill-DEP1-0"], after
+        assert after["decode-DEP2-0"] == before["decode-DEP2-0"] and after["decode-DEP2-1"] == before["decode-DEP2-1"]
+        health = httpx.get(f"{app.url}/health", timeout=30).json()
+        assert all(s == "ok" for s in health["instances"].values()), health
+        assert health["kv_stores_replaced"] >= 1, health
+    finally:
+        delete(app.name)
+        serve.shutdown()
+        ray_cluster.restore()

@@ -26,7 +26,10 @@ Per fault, in turn:
    expert rank of the split instance, of the ingress replica that took the first stream; the loss of
    the node (tray) of the second decode instance, with its KV store (Ray declares the node dead after
    its health checks miss, ~15 s; the instance is re-planned onto the free tray, the store replaced
-   in its rack; the node joins again after the row);
+   in its rack; the node joins again after the row); the loss of the prefill instance's node while it
+   prefills the streams' prompts (the decode ranks' reservations expire after `kv_timeout_s` and they
+   prefill the prompts themselves; the instance is re-planned). (A tray holding only a KV store cannot
+   be lost here: the rack planner puts a store only on trays that hold ranks, or a rack's first.)
 4. each stream: completed with the undisturbed text, completed with other text, ended with an error
    (an error event, or cut off before its [DONE]), or hung (no end within --hang-s); "flight"
    counts the streams still running when the fault struck (the rest had ended: a loaded machine may
@@ -350,12 +353,24 @@ def kill_serve_controller(app: App, outs: list[Outcome]) -> None:
 def lose_decode_node(app: App, outs: list[Outcome]) -> None:
     """Kill the node of the last decode instance's tray at once, everything on it with it (its ranks,
     a KV store): what a tray's crash does. `app.cluster.restore()` brings a node of that tray back."""
+    _lose_tray(app, "decode")
+
+
+def lose_prefill_node(app: App, outs: list[Outcome]) -> None:
+    """Kill the node of the last prefill instance's tray at once, with the prompts its ranks hold and
+    its KV store: the decode ranks' reservations for them expire and they prefill the prompts
+    themselves; the instance is re-planned onto a free tray."""
+    _lose_tray(app, "prefill")
+
+
+def _lose_tray(app: App, role: str) -> None:
+    """Remove the node of the tray of the last `role` instance (by name)."""
     import ray
 
     trays = ray.get(app.plane.trays.remote())
-    tray = trays[max(name for name in trays if name.startswith("decode"))][0]
+    tray = trays[max(name for name in trays if name.startswith(role))][0]
     if tray == "rack0/tray0":
-        raise RuntimeError("the last decode instance shares the head node's tray; losing it would end the cluster")
+        raise RuntimeError(f"the last {role} instance shares the head node's tray; losing it would end the cluster")
     app.cluster.remove_tray(*tray.split("/"))
 
 
@@ -381,6 +396,7 @@ FAULTS: dict[str, Fault] = {
     "SIGKILL expert rank (AFD)": Fault("afd", kill_expert_rank),
     "SIGKILL ingress replica (1 of 2)": Fault("ingress", kill_ingress_replica),
     "node loss (a decode tray)": Fault("node", lose_decode_node),
+    "node loss (prefill tray, prefilling)": Fault("node", lose_prefill_node, strike="prefilling"),
 }
 
 
@@ -521,6 +537,7 @@ def main(argv: list[str] | None = None) -> dict:
                         if spec.app == name:
                             rows.append(run_fault(app, fault, args.streams, args.osl, args.probes, args.hang_s,
                                                   seed=i))
+                            cluster.restore()  # a node lost joins again, for the next row
                 finally:
                     delete(app.name)
                     cluster.restore()
