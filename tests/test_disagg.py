@@ -174,7 +174,8 @@ def test_a_prompt_diverging_inside_a_stored_prefix_reads_it_to_their_last_shared
     prefill, decode = pair(tiny_checkpoint)
     store = PrefixStore(prefill.model.config, prefill.cache.block_size, KVAgent(f"test-store-{next(_names)}", 8 << 20),
                         memory_mb=16, inbox_bytes=1 << 20, dtype=prefill.model.dtype)
-    other = Engine(load_model(tiny_checkpoint), config=prefill.config, kv=KVAgent(f"test-prefill-{next(_names)}", 8 << 20))
+    other = Engine(load_model(tiny_checkpoint), config=prefill.config,
+                   kv=KVAgent(f"test-prefill-{next(_names)}", 8 << 20))
     other.kv.agent.add_peer(decode.kv.agent.metadata())
     for engine in (prefill, decode, other):
         engine.attach_store(store.agent.metadata(), store.add_writer(engine.kv.agent.metadata()))
