@@ -1,7 +1,7 @@
 """Races the engine must lose nothing to, each made certain rather than left to timing: an abort that
 lands as its request finishes (with async scheduling, while the step that finishes it is in flight),
-and a decode rank's abort between its reservation and the prefill rank's push of that state (over real
-NIXL). After each, every byte of state and of the transfer pools is back to its idle value, and the
+a decode rank's abort between its reservation and the prefill rank's push of that state, and two
+sessions writing the same prefix to a KV store at once (over real NIXL). After each, every byte of state and of the transfer pools is back to its idle value, and the
 next request gets what the single engine gives."""
 
 from __future__ import annotations
@@ -102,3 +102,81 @@ def test_an_abort_between_reserve_and_push_leaves_nothing_held(tiny_checkpoint):
     [want] = LLM(tiny_checkpoint).generate([after], params)
     assert_same_tokens(tiny_checkpoint, [after], [got["s"]], [want.token_ids], params)
     assert decode.stats()["kv_loaded"] == 1
+
+
+@pytest.mark.timeout(300)
+def test_two_sessions_racing_on_one_store_prefix(tiny_checkpoint):
+    """Two sessions whose prompts share their first 160 tokens miss the empty KV store together, are
+    prefilled side by side on two prefill ranks, and both WRITE their prefix to the store before it
+    takes either in: the second finds the shared blocks there already.
+    Nothing the duplicate holds stays in use, every inbox range comes back to its writer, no pin is left, and a
+    third session with the same start is served from those blocks, exactly."""
+    from rackserve.engine import Engine
+    from rackserve.engine.prefix_store import PrefixStore
+    from rackserve.models.deepseek_v4 import load_model
+    from rackserve.transfer.kv_agent import KVAgent
+
+    first, decode = pair(tiny_checkpoint)
+    second = Engine(load_model(tiny_checkpoint), config=first.config, kv=KVAgent(f"race-prefill-{id(first)}", 8 << 20))
+    second.kv.agent.add_peer(decode.kv.agent.metadata())
+    store = PrefixStore(first.model.config, first.cache.block_size, KVAgent(f"race-store-{id(first)}", 8 << 20),
+                        memory_mb=16, inbox_bytes=1 << 20, dtype=first.model.dtype)
+    for engine in (first, second, decode):
+        engine.attach_store(store.agent.metadata(), store.add_writer(engine.kv.agent.metadata()))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, seed=4)
+    shared = prompt(160, seed=66)
+    sessions = {"s1": shared + prompt(20, seed=67), "s2": shared + prompt(30, seed=68)}
+    assert store.lookup(sessions["s1"]) is None and store.lookup(sessions["s2"]) is None
+    for (rid, ids), prefill in zip(sessions.items(), (first, second)):
+        reservation = decode.reserve_push(ids, params, request_id=rid)
+        prefill.add_request(ids, params, request_id=rid, push_to=reservation)
+    tokens: dict[str, list[int]] = {rid: [] for rid in sessions}
+    deadline = time.monotonic() + 60
+    while first.stats()["kv_puts"] < 1 or second.stats()["kv_puts"] < 1:
+        assert time.monotonic() < deadline, "the prefill ranks never wrote their prefixes"
+        for engine in (first, second):
+            engine.step()
+        for out in decode.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert store.stats.puts == 0  # both WRITEs issued, neither taken in yet
+    while store.stats.puts < 2:  # (a WRITE completes as the store's agent makes progress)
+        assert time.monotonic() < deadline, "the store never took both prefixes in"
+        store.poll()
+        for engine in (first, second):
+            engine.step()
+    while decode.has_unfinished():
+        store.poll()
+        for out in decode.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    want = LLM(tiny_checkpoint).generate(list(sessions.values()), params)
+    assert_same_tokens(tiny_checkpoint, list(sessions.values()), list(tokens.values()), [c.token_ids for c in want],
+                       params)
+
+    for _ in range(20):  # the decode rank's puts, and the Freed answers
+        store.poll()
+        for engine in (first, second, decode):
+            engine.step()
+    # every page and slot in use is a cached block or snapshot: the duplicate PUT left nothing held
+    assert store.cache.bytes_in_use == store.cache.bytes_cached > 0
+    assert len(store.cache._blocks) * store.cache.state.page_bytes <= store.cache.bytes_cached
+    for engine in (first, second, decode):  # every inbox range back with its writer
+        assert engine.kv.store.ranges.bytes_free == engine.kv.store.ranges.size, engine
+    assert store.stats.pinned == 0
+
+    third = shared + prompt(25, seed=69)
+    hit = store.lookup(third)
+    assert hit is not None and hit.num_tokens == len(shared)
+    reservation = decode.reserve_push(third, params, request_id="s3")
+    third_prefill = Engine(load_model(tiny_checkpoint), config=first.config,
+                           kv=KVAgent(f"race-prefill3-{id(first)}", 8 << 20))
+    third_prefill.kv.agent.add_peer(decode.kv.agent.metadata())
+    third_prefill.attach_store(store.agent.metadata(), store.add_writer(third_prefill.kv.agent.metadata()))
+    third_prefill.add_request(third, params, request_id="s3", push_to=reservation, cached=hit)
+    got = []
+    while third_prefill.has_unfinished() or decode.has_unfinished():
+        store.poll()
+        third_prefill.step()
+        got += [t for out in decode.step() for t in out.new_token_ids]
+    [want3] = LLM(tiny_checkpoint).generate([third], params)
+    assert_same_tokens(tiny_checkpoint, [third], [got], [want3.token_ids], params)
+    assert third_prefill.stats()["kv_pulled_tokens"] == len(shared)
