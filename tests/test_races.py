@@ -108,9 +108,9 @@ def test_an_abort_between_reserve_and_push_leaves_nothing_held(tiny_checkpoint):
 def test_two_sessions_racing_on_one_store_prefix(tiny_checkpoint):
     """Two sessions whose prompts share their first 160 tokens miss the empty KV store together, are
     prefilled side by side on two prefill ranks, and both WRITE their prefix to the store before it
-    takes either in: the second finds the shared blocks there already.
-    Nothing the duplicate holds stays in use, every inbox range comes back to its writer, no pin is left, and a
-    third session with the same start is served from those blocks, exactly."""
+    takes either in: the second finds the shared blocks there already. Nothing the duplicate holds
+    stays in use, every inbox range comes back to its writer, no pin is left, and a third session with
+    the same start is served from those blocks, exactly."""
     from rackserve.engine import Engine
     from rackserve.engine.prefix_store import PrefixStore
     from rackserve.models.deepseek_v4 import load_model
