@@ -16,6 +16,9 @@ class Timeouts:
     # ---- the engine and the transfers (rackserve.engine, rackserve.transfer) ----------------------------
     engine_kv_poll_s: float = 0.001  # how long an engine with nothing to run but transfers pending sleeps per step
     push_margin_s: float = 1.0  # a push starts at least this long before its reservation expires
+    # a READ of a cached prefix from a KV store not done this long is given up and the prompt prefilled
+    # (a READ takes milliseconds, but one from a store whose process is stopped or stalled never ends)
+    pull_s: float = 5.0
 
     # ---- the actors (rackserve.actors) --------------------------------------------------------------------
     consumer_silent_s: float = 30.0  # a DP rank's consumer silent this long is gone: its requests are aborted

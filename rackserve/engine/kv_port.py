@@ -14,8 +14,9 @@ fails (`PushFailed`). The notifications are `rackserve.transfer.messages`.
 
 With a KV store (`attach_store`, see `prefix_store.py`): `pull` READs a cached prefix of a new
 request before it is prefilled (it then waits in `incoming` like a pushed state; a prefix that ends
-without a snapshot is replayed from its `resume_at` over the blocks read); `put` WRITEs the longest
-snapshotted prefix of a request into this rank's inbox at the store.
+without a snapshot is replayed from its `resume_at` over the blocks read; a READ not done within
+`TIMEOUTS.pull_s`, from a stopped or stalled store, is given up and the prompt prefilled); `put` WRITEs
+the longest snapshotted prefix of a request into this rank's inbox at the store.
 """
 
 from __future__ import annotations
@@ -163,6 +164,16 @@ class KVPort:
                     if self.agent.poll(inc.read):
                         inc.read = None
                         send(self.agent, inc.source.agent, Release(inc.source.addr))
+                    elif now > inc.expires_at:  # the store does not serve it: its process stopped or stalled
+                        log.warning("gave up reading %s's cached prefix from the KV store %r after %.1f s; "
+                                    "prefilling it instead", request_id, inc.source.agent, TIMEOUTS.pull_s)
+                        self.agent.cancel(inc.read)
+                        # the READ may still land if the store wakes: the range stays out of use a while
+                        self._quarantine.append((now + self.timeout_s, inc.offset))
+                        send(self.agent, inc.source.agent, Release(inc.source.addr))
+                        self.stats.pull_failures += 1
+                        del self.incoming[request_id]
+                        lost.append(inc.request)
                 except TransferError:
                     self.stats.pull_failures += 1
                     self.agent.free(inc.offset)
@@ -241,7 +252,7 @@ class KVPort:
             self.agent.free(offset)
             self.stats.pull_failures += 1
             return False
-        self.incoming[req.request_id] = Incoming(req, offset, source.nbytes, float("inf"), read=read,
+        self.incoming[req.request_id] = Incoming(req, offset, source.nbytes, time.time() + TIMEOUTS.pull_s, read=read,
                                                  num_tokens=num_tokens, source=source, resume_at=hit.resume_at)
         return True
 
