@@ -343,7 +343,7 @@ class Engine:
             "state_bytes_total": self.cache.bytes_total,
             **(self.balancer.stats() if self.balancer else {}),
             **(self.speculator.stats() if self.speculator else {}),
-            **({f"kv_{k}": v for k, v in asdict(self.kv.stats).items()} if self.kv else {}),
+            **({f"kv_{k}": v for k, v in asdict(self.kv.stats).items()} | self.kv.in_use() if self.kv else {}),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }

@@ -120,10 +120,21 @@ class KVPort:
         """Use the KV store `agent` (already a peer) through `inbox` (from `PrefixStore.add_writer`)."""
         self.store = StoreLink(agent, inbox, RangeAllocator(inbox.nbytes, ALIGN))
 
+    def in_use(self) -> dict[str, int]:
+        """What this port holds now, all 0 when idle: bytes of its transfer pool (ranges being
+        written, read or kept out of use a while), transfers and reservations in flight, and bytes of
+        its inbox at the KV store (prefixes written, not yet taken in)."""
+        inbox = self.store.ranges.size - self.store.ranges.bytes_free if self.store is not None else 0
+        return {"kv_pool_bytes_in_use": self.agent.pool.numel() - self.agent.bytes_free,
+                "kv_in_flight": len(self.incoming) + len(self.outgoing), "kv_inbox_bytes_in_use": inbox}
+
     @property
     def pending(self) -> bool:
-        """Whether a transfer may still arrive or finish (the rank must keep polling)."""
-        return bool(self.incoming or self.outgoing)
+        """Whether a transfer may still arrive or finish, or the KV store still has to say it took in a
+        prefix written to it (`Freed`): the rank must keep polling, or its inbox would stay held while
+        it idles."""
+        inbox = self.store is not None and self.store.ranges.bytes_free < self.store.ranges.size
+        return bool(self.incoming or self.outgoing or inbox)
 
     # ---- decode side -------------------------------------------------------------------------------
     def reserve(self, req: Request) -> KVReservation | None:
