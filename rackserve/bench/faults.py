@@ -330,7 +330,8 @@ def kill_ingress_replica(app: App, outs: list[Outcome]) -> None:
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
 
-def _actor_pid(actor) -> int:
+def actor_pid(actor) -> int:
+    """The process id of Ray actor `actor` (asked of the actor itself)."""
     import ray
 
     return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
@@ -339,7 +340,7 @@ def _actor_pid(actor) -> int:
 def kill_data_plane(app: App, outs: list[Outcome]) -> None:
     """SIGKILL the app's data plane actor: the engines it owns die with it; the ingress replicas' health
     check finds it dead, Serve replaces them, and the new replica builds it again."""
-    os.kill(_actor_pid(app.plane), signal.SIGKILL)
+    os.kill(actor_pid(app.plane), signal.SIGKILL)
 
 
 def kill_serve_controller(app: App, outs: list[Outcome]) -> None:
@@ -347,7 +348,7 @@ def kill_serve_controller(app: App, outs: list[Outcome]) -> None:
     import ray
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-    os.kill(_actor_pid(ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)), signal.SIGKILL)
+    os.kill(actor_pid(ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)), signal.SIGKILL)
 
 
 def lose_decode_node(app: App, outs: list[Outcome]) -> None:

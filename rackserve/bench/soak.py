@@ -33,7 +33,7 @@ from rackserve.engine import RequestError, SamplingParams
 
 ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "max_model_len": 1024, "state_memory_mb": 8,
           "kv_pool_mb": 8, "kv_timeout_s": 4.0}
-# per rank: what requests hold, all 0 when idle
+# per rank: what requests hold (at idle, all 0 but the state of a gang's scratch request)
 RANK_KEYS = ("held_state_bytes", "requests", "kv_pool_bytes_in_use", "kv_in_flight", "kv_inbox_bytes_in_use")
 
 
@@ -41,7 +41,7 @@ def run(requests: int, users: int, seed: int, checkpoint: str = "tiny") -> dict:
     """Soak a fresh deployment (see the module docstring); the figures."""
     import ray
 
-    from rackserve.bench.faults import _actor_pid
+    from rackserve.bench.faults import actor_pid
     from rackserve.cluster.deployment import Deployment
 
     dep = Deployment(checkpoint, prefill="1xDEP1", decode="1xDEP1", kv_stores=1, engine_kwargs=ENGINE,
@@ -50,7 +50,7 @@ def run(requests: int, users: int, seed: int, checkpoint: str = "tiny") -> dict:
         def pids() -> dict[str, int]:  # now: a rank killed is a new process once its gang restarted
             procs = {"client": os.getpid(), "store": dep.stats()["kv_stores"][0]["pid"]}
             for inst in dep.prefill + dep.decode:
-                procs[inst.name] = _actor_pid(dep.members_of(inst.name)[1][0])
+                procs[inst.name] = actor_pid(dep.members_of(inst.name)[1][0])
             return procs
 
         idle = resources(dep, pids())
