@@ -197,11 +197,7 @@ class StateCache:
                     self._snapshots.move_to_end(chain[use])
                     handle.num_tokens = hit
                 else:  # bounded replay or an exact rebuild: the windows from the hit's last tokens
-                    start = hit - min(self._replay_tokens, hit)
-                    self.state.prime(slot, token_ids, start)
-                    handle.num_tokens = handle.window_from = start
-                    handle.entries_until = hit
-                    self.stats.replayed_tokens += hit - start
+                    self._replay_before(handle, token_ids, hit)
                 self.stats.hits += 1
                 self.stats.hit_tokens += handle.num_tokens
         return handle
@@ -310,9 +306,13 @@ class StateCache:
         store's blocks that end without a snapshot, and a slot of no use: register the blocks and set
         it to replay the last `replay_tokens` of them over those pages, rebuilding the slot, as
         `allocate` does on such a hit of this cache's own (`token_ids`: at least its tokens)."""
-        hit = handle.num_tokens
         if self.prefix_caching:
             self._register(handle, token_ids)
+        self._replay_before(handle, token_ids, handle.num_tokens)
+
+    def _replay_before(self, handle: CacheHandle, token_ids: list[int], hit: int) -> None:
+        """Set `handle`, holding the pages of a hit of `hit` tokens without a snapshot, to recompute
+        its last `replay_tokens` over those pages (their entries kept) to rebuild its slot."""
         start = hit - min(self._replay_tokens, hit)
         self.state.prime(handle.slot, token_ids, start)
         handle.num_tokens = handle.window_from = start
