@@ -1,9 +1,10 @@
 """Cache-aware routing on a P/D deployment without session ids: two decode and two prefill ranks, a
 workload of conversations that share a 20-block tool prefix, routed by what the ranks' caches hold
-prefills at least 1.5x fewer tokens than least-loaded routing (1.90x in two runs here: cache-aware
-~4.2K of 28.4K prompt tokens, within 7 % of the fewest possible, least-loaded ~8K; less when the
-turns' timing sends a conversation off its rank to balance load); and a second router following the
-same block journal makes the same choices.
+prefills at least 1.3x fewer tokens than least-loaded routing; and a second router following the
+same block journal makes the same choices. Over 7 runs here cache-aware prefilled 3.5K-4.3K of the
+28.4K prompt tokens (within 7 % of the fewest possible from fresh caches), least-loaded 6.3K-8.8K:
+1.47x-2.18x, median 1.90x. The spread is least-loaded's: it depends on which rank chance gives each
+turn, so the bound sits below the lowest ratio seen.
 
 Least-loaded breaks ties between idle ranks by chance, so a conversation's next turn meets the rank
 holding its last turn half the time; elsewhere it recomputes what was said since its last visit
@@ -96,7 +97,7 @@ def test_cache_aware_routing_prefills_far_fewer_tokens_than_least_loaded(ray_clu
         dep.client.router.config = RoutingConfig(policy="least_loaded")
         least = conversations(dep, seed=1)
         print(f"prompt tokens {total}: prefilled cache-aware {aware}, least-loaded {least} ({least / aware:.2f}x)")
-        assert 1.5 * aware <= least, (aware, least, total)
+        assert 1.3 * aware <= least, (aware, least, total)
 
         # a second router, built from the owner as an ingress replica's is, holds the same index and,
         # with the same loads, makes the same choices
