@@ -15,6 +15,7 @@ from rackserve.engine import LLM, Engine, SamplingParams
 from rackserve.engine.prefix_store import PrefixStore
 from rackserve.models import load_model
 from rackserve.transfer.local import LocalAgent
+from rackserve.transfer.kv_agent import KVAgent
 from rackserve.transfer.messages import Freed, Pushed, Put, Release
 from test_disagg import WORK, assert_like_single_engine, pair, run, run_with_store, submit
 
@@ -111,18 +112,29 @@ def test_a_restarted_decode_rank_gets_pushes_once_its_predecessor_is_forgotten(t
     assert prefill.stats()["kv_push_failures"] == 0 and successor.stats()["kv_loaded"] == len(work)
 
 
-def test_choices_fork_on_the_decode_rank_from_one_pushed_prefill(tiny_checkpoint):
+@pytest.mark.parametrize("transport", [LocalAgent, KVAgent], ids=["local", "nixl"])
+def test_choices_fork_on_the_decode_rank_from_one_pushed_prefill(tiny_checkpoint, transport):
     """n > 1 through P/D: the prefill rank pushes the prompt but its last token, once; the decode rank
-    forks the choices there, each the same as the single engine's."""
-    prefill, decode = pair(tiny_checkpoint, LocalAgent)
+    forks the choices there, each the same as the single engine's. Both engines are stepped as a rank's
+    loop steps them: while a step reports work in the gang, then asleep until new work comes. The push
+    happens in a step that computes nothing; a prefill rank that slept there never finished the WRITE
+    (over NIXL it is not done within the step that posts it), and the decode rank prefilled the prompt
+    itself once its reservation expired (kv_timeout_s, 10 s)."""
+    prefill, decode = pair(tiny_checkpoint, transport)
     ids = prompt(40, seed=5)
     params = SamplingParams(n=3, temperature=0.9, seed=21, max_tokens=7, ignore_eos=True)
     prefill.add_request(ids, params, request_id="c", push_to=decode.reserve_push(ids, params, request_id="c"))
     tokens: dict[int, list[int]] = {}
-    while prefill.has_unfinished() or decode.has_unfinished():
-        prefill.step()
-        for out in decode.step():
-            tokens.setdefault(out.index, []).extend(out.new_token_ids)
+    awake = {prefill: True, decode: True}  # each has just taken in work
+    for _ in range(500):
+        if not any(awake.values()):
+            break
+        for engine in [e for e, on in awake.items() if on]:
+            for out in engine.step():
+                tokens.setdefault(out.index, []).extend(out.new_token_ids)
+            awake[engine] = bool(engine.gang_tokens.any() or engine.gang_busy)
+    assert not (prefill.has_unfinished() or decode.has_unfinished()), "a rank went to sleep with work unfinished"
+    assert decode.stats()["kv_recomputed"] == 0
     want = LLM(tiny_checkpoint).generate(ids, params)
     assert [tokens[i] for i in range(3)] == [c.token_ids for c in want]
     p, d = prefill.stats(), decode.stats()

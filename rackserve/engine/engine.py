@@ -274,8 +274,11 @@ class Engine:
 
     def _transfers_pending(self) -> bool:
         """Whether this rank must keep stepping with nothing to run: a transfer may still land or
-        finish, or the forward thread has a step."""
-        return (self.kv is not None and self.kv.pending) or self._in_flight is not None
+        finish, one is about to start (a request of n choices whose schedule just reached its fork is
+        pushed in a step that computes nothing; without it the rank would sleep with the WRITE
+        unfinished), or the forward thread has a step."""
+        return ((self.kv is not None and (self.kv.pending or bool(self.scheduler.pushed)))
+                or self._in_flight is not None)
 
     def _run(self, plan: StepPlan) -> tuple[bool, list[RequestOutput]]:
         """Run the step's forwards here and apply their tokens: (whether it ran any, the outputs)."""

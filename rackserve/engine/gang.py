@@ -45,9 +45,9 @@ class GangStep(NamedTuple):
 
 def agree(gang: Gang | None, plan: StepPlan) -> StepPlan:
     """The plan every member of `gang` runs this step (`sync`: the most passes and drafts any member
-    needs, busy if any member is); outside a gang, `plan` itself."""
+    needs, busy if any member is); outside a gang, `plan` as a gang of one's."""
     if gang is None:
-        return plan
+        return replace(plan, gang_tokens=np.array([plan.out.num_tokens], np.int64), gang_busy=plan.busy)
     with phase("host sync"):
         agreed = sync(gang, plan.out.num_tokens, plan.num_passes, plan.num_drafts, plan.busy)
     return replace(plan, num_passes=agreed.num_passes, num_drafts=agreed.num_drafts, busy=agreed.busy,

@@ -105,8 +105,8 @@ class StepPlan:
     """What one step runs: the schedule's forward passes (`plan_passes`), then dummy ones up to
     `num_passes` and draft forwards up to `num_drafts` (in a gang, the most any member needs: see
     `agree`); `busy`: with nothing to run, a transfer may still land (this rank's, or in a gang any
-    member's: `gang_busy`); `gang_tokens` `[world_size]`: the tokens each member scheduled (empty
-    outside a gang)."""
+    member's: `gang_busy`); `gang_tokens` `[world_size]`: the tokens each member scheduled (outside a
+    gang, this engine's alone: a gang of one, so that whoever steps it can tell when to stop)."""
 
     out: SchedulerOutput
     passes: list[Pass]
