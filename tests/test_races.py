@@ -144,10 +144,13 @@ def test_two_sessions_racing_on_one_store_prefix(tiny_checkpoint):
         store.poll()
         for engine in (first, second):
             engine.step()
-    while decode.has_unfinished():
+    while decode.has_unfinished():  # the prefill ranks step too, as ranks with a WRITE outstanding do
         store.poll()
+        for engine in (first, second):
+            engine.step()
         for out in decode.step():
             tokens[out.request_id].extend(out.new_token_ids)
+    assert decode.stats()["kv_loaded"] == 2 and decode.stats()["kv_recomputed"] == 0
     want = LLM(tiny_checkpoint).generate(list(sessions.values()), params)
     assert_same_tokens(tiny_checkpoint, list(sessions.values()), list(tokens.values()), [c.token_ids for c in want],
                        params)
