@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+import ray
 from helpers import RECOVERY_S, assert_recovered, metric
 
 from rackserve.bench import faults
@@ -40,6 +41,17 @@ def test_a_failed_decode_gang_replays_every_stream_to_its_undisturbed_text(dep_a
     assert_recovered(row, replayed=True)
     health = httpx.get(f"{dep_app.url}/health", timeout=30).json()
     assert health["status"] in ("healthy", "degraded") and all(s == "ok" for s in health["instances"].values())
+
+
+@pytest.mark.slow
+def test_a_second_fault_while_the_gang_restarts_is_recovered_from_too(dep_app):
+    """The decode rank's replacement is killed as soon as its process runs: that start fails, the owner's
+    watcher starts the gang again, and every stream still ends with its undisturbed text."""
+    restarts = ray.get(dep_app.plane.stats.remote())["decode"][0]["restarts"]
+    row = faults.run_fault(dep_app, "SIGKILL decode DP rank, again as it restarts", STREAMS, OSL, PROBES)
+    assert_recovered(row, replayed=True)
+    # the start the second kill struck, then the one that runs
+    assert ray.get(dep_app.plane.stats.remote())["decode"][0]["restarts"] >= restarts + 2
 
 
 @pytest.mark.slow

@@ -18,7 +18,9 @@ Per fault, in turn:
    from the same requests run once before the fault (once per app: rows striking the same streams share it);
 3. once every stream has its first text, the fault: SIGKILL of a decode DP rank (with EPLB moving
    experts every other step, so within a step of a move), SIGSTOP of a decode DP rank (found by the
-   gang's timeout; the restart kills it), SIGKILL of the prefill DP rank (struck instead while it
+   gang's timeout; the restart kills it), SIGKILL of a decode DP rank and then of its replacement as soon
+   as its process runs (a second fault during recovery: that start fails, the owner's watcher starts the
+   gang again), SIGKILL of the prefill DP rank (struck instead while it
    prefills the streams' prompts, of PREFILL_PROMPT_LEN tokens, new to every cache: their undisturbed
    text is then taken after the row), of the KV store, of Serve's controller (Ray restarts it), of the
    app's data plane actor (the engines it owns die with it, so their streams end with errors; the ingress
@@ -61,8 +63,8 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from rackserve.bench import script
-from rackserve.bench.rack_cluster import RackCluster
 from rackserve.bench.metrics import percentile
+from rackserve.bench.rack_cluster import RackCluster
 
 ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "state_memory_mb": 32, "kv_pool_mb": 8,
           "kv_timeout_s": 4.0}
@@ -303,6 +305,25 @@ def kill_decode_rank(app: App, outs: list[Outcome]) -> None:
     os.kill(_pid(app, "decode", 1), signal.SIGKILL)
 
 
+def kill_decode_rank_twice(app: App, outs: list[Outcome]) -> None:
+    """SIGKILL a decode DP rank, then the process that replaces it as soon as it runs, while its gang
+    starts again (a second fault during recovery): that start fails, and the owner's watcher starts
+    the gang once more."""
+    first = _pid(app, "decode", 1)
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            pid = _pid(app, "decode", 1)
+        except Exception:  # noqa: BLE001 - the old member is dead, the new one not yet running: ask again
+            pid = first
+        if pid != first:
+            os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.05)
+    raise RuntimeError("no process replaced the killed decode DP rank within 60 s")
+
+
 def freeze_decode_rank(app: App, outs: list[Outcome]) -> None:
     os.kill(_pid(app, "decode", 1), signal.SIGSTOP)  # the gang's restart kills it
 
@@ -390,6 +411,7 @@ class Fault:
 FAULTS: dict[str, Fault] = {
     "SIGKILL decode DP rank (EPLB moving)": Fault("dep", kill_decode_rank),
     "SIGSTOP decode DP rank": Fault("dep", freeze_decode_rank),
+    "SIGKILL decode DP rank, again as it restarts": Fault("dep", kill_decode_rank_twice),
     "SIGKILL prefill DP rank (prefilling)": Fault("dep", kill_prefill_rank, strike="prefilling"),
     "SIGKILL KV store": Fault("dep", kill_kv_store),
     "SIGKILL Serve controller": Fault("dep", kill_serve_controller),
@@ -501,13 +523,13 @@ def _sampling(index: int) -> tuple[int | None, int]:
 
 
 def table(rows: list[Row]) -> str:
-    header = (f"{'fault':<38} {'streams':>7} {'flight':>6} {'same':>5} {'other':>5} {'error':>5} {'hung':>5} {'replayed':>8} "
+    header = (f"{'fault':<44} {'streams':>7} {'flight':>6} {'same':>5} {'other':>5} {'error':>5} {'hung':>5} {'replayed':>8} "
               f"{'recovery s':>10} {'TTFT before':>11} {'after ms':>9} {'ratio':>6} {'push fail':>9} {'recomp':>6} "
               f"{'redone':>6} {'memory':>7}")
     lines = [header, "-" * len(header)]
     for r in rows:
         replays = "-" if r.replayed is None else r.replayed
-        lines.append(f"{r.fault:<38} {r.streams:>7} {r.in_flight:>6} {r.completed:>5} {r.differed:>5} {r.errored:>5} {r.hung:>5} "
+        lines.append(f"{r.fault:<44} {r.streams:>7} {r.in_flight:>6} {r.completed:>5} {r.differed:>5} {r.errored:>5} {r.hung:>5} "
                      f"{replays:>8} {r.recovery_s:>10.1f} {r.ttft_before_ms:>11.0f} {r.ttft_after_ms:>9.0f} "
                      f"{r.ttft_ratio:>6.2f} {r.push_failures_after:>9} {r.recomputed_after:>6} {r.redone:>6} "
                      f"{'idle' if r.memory_back else 'HELD':>7}")
