@@ -42,7 +42,13 @@ class Timeouts:
     load_stale_s: float = 3.0  # a rank whose load report is this old is not routed to (its node may be gone)
     load_refresh_s: float = 0.25  # how often a client takes the ranks' reported loads from the owner
     watch_s: float = 1.0  # how often the owner looks for dead KV stores and failed gangs (to replace them)
-    store_ping_s: float = 5.0  # a store that answers no ping this long is busy, not dead: it is left alone
+    member_ping_s: float = 5.0  # how long the watcher waits for a gang's pings (a slow member: the gang's timeout)
+    store_ping_s: float = 0.5  # how long the watcher waits for the stores' pings per pass (one unanswered stays out)
+    # a KV store that answers no ping this long is stalled (its process stopped, its host swapping): it is
+    # replaced like a dead one, as it is only a cache and a stalled one serves nobody (its READs and lookups
+    # are given up); a store merely busy answers within milliseconds
+    store_stall_s: float = 15.0
+    store_call_s: float = 5.0  # a KV store call (a lookup, a writer added) not answered this long is given up
     store_retry_s: float = 1.0  # a KV store found dead is asked for the owner's replacement after this long
     output_poll_s: float = 1.0  # an output pump's long-poll: an idle DP rank answers one poll per second
     replay_s: float = 60.0  # how long a request whose decode gang failed is tried again before it ends in error

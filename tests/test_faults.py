@@ -15,6 +15,7 @@ to its idle level. An ingress replica's death is `test_serve_scale_out.py`'s, a 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from helpers import RECOVERY_S, assert_recovered, metric
 
 from rackserve.bench import faults
 from rackserve.serve.app import delete
+from rackserve.timeouts import TIMEOUTS
 
 STREAMS, OSL, PROBES = 6, 32, 8
 
@@ -90,6 +92,26 @@ def test_a_dead_kv_store_is_replaced_and_caches_again(dep_app):
         "model": "tiny", "prompt": turn + [5, 6, 7, 8], "max_tokens": 1, "temperature": 0}).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 64, usage
     assert metric(dep_app.url, hits) - hit_before >= 64  # found in the replacement store too
+
+
+@pytest.mark.slow
+def test_a_stopped_kv_store_is_given_up_then_replaced(dep_app):
+    """A KV store whose process is stopped (SIGSTOP: a stalled host) answers nothing: a lookup of it is given
+    up after `TIMEOUTS.store_call_s` and requests go on without it, so no stream and no new request waits on
+    it; once it has answered no ping for `TIMEOUTS.store_stall_s` it is replaced, the stopped process killed."""
+    [pid] = ray.get(dep_app.plane.store_pids.remote())
+    replaced = httpx.get(f"{dep_app.url}/health", timeout=30).json()["kv_stores_replaced"]
+    row = faults.run_fault(dep_app, "SIGSTOP KV store", STREAMS, OSL, PROBES)
+    assert_recovered(row, replayed=False)
+    assert row.recovery_s < TIMEOUTS.store_stall_s, row  # a lookup given up, not a replacement waited for
+    deadline = time.monotonic() + 60
+    while (health := httpx.get(f"{dep_app.url}/health", timeout=30).json())["kv_stores_replaced"] == replaced:
+        assert time.monotonic() < deadline, f"the stopped store was not replaced in 60 s: {health}"
+        time.sleep(0.5)
+    assert health["kv_stores"] == "1/1", health
+    while Path(f"/proc/{pid}").exists():  # (a zombie until its parent reaps it)
+        assert time.monotonic() < deadline, f"the stopped store's process {pid} outlived its replacement"
+        time.sleep(0.5)
 
 
 @pytest.mark.slow

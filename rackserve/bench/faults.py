@@ -22,7 +22,9 @@ Per fault, in turn:
    as its process runs (a second fault during recovery: that start fails, the owner's watcher starts the
    gang again), SIGKILL of the prefill DP rank (struck instead while it
    prefills the streams' prompts, of PREFILL_PROMPT_LEN tokens, new to every cache: their undisturbed
-   text is then taken after the row), of the KV store, of Serve's controller (Ray restarts it), of the
+   text is then taken after the row), of the KV store, SIGSTOP of the KV store (lookups of it given up after
+   `TIMEOUTS.store_call_s`, replaced once it has answered no ping for `TIMEOUTS.store_stall_s`), SIGKILL of
+   Serve's controller (Ray restarts it), of the
    app's data plane actor (the engines it owns die with it, so their streams end with errors; the ingress
    replicas' health check finds it dead, Serve replaces them and the new one builds it again), of the
    expert rank of the split instance, of the ingress replica that took the first stream; the loss of
@@ -338,6 +340,14 @@ def kill_kv_store(app: App, outs: list[Outcome]) -> None:
     os.kill(ray.get(app.plane.store_pids.remote())[0], signal.SIGKILL)
 
 
+def freeze_kv_store(app: App, outs: list[Outcome]) -> None:
+    """SIGSTOP the KV store: lookups of it are given up after `TIMEOUTS.store_call_s`, and the data plane
+    replaces it once it has answered no ping for `TIMEOUTS.store_stall_s` (killing the stopped process)."""
+    import ray
+
+    os.kill(ray.get(app.plane.store_pids.remote())[0], signal.SIGSTOP)
+
+
 def kill_expert_rank(app: App, outs: list[Outcome]) -> None:
     os.kill(_pid(app, "decode", 1), signal.SIGKILL)  # AFD1+1: the DP rank, then the expert rank
 
@@ -414,6 +424,7 @@ FAULTS: dict[str, Fault] = {
     "SIGKILL decode DP rank, again as it restarts": Fault("dep", kill_decode_rank_twice),
     "SIGKILL prefill DP rank (prefilling)": Fault("dep", kill_prefill_rank, strike="prefilling"),
     "SIGKILL KV store": Fault("dep", kill_kv_store),
+    "SIGSTOP KV store": Fault("dep", freeze_kv_store),
     "SIGKILL Serve controller": Fault("dep", kill_serve_controller),
     "SIGKILL data plane actor": Fault("dep", kill_data_plane, rebuilds=True),
     "SIGKILL expert rank (AFD)": Fault("afd", kill_expert_rank),

@@ -180,6 +180,7 @@ class Deployment:
         self.decode, self.prefill = ([inst for (r, _), inst in zip(makers, started, strict=True) if r == role]
                                      for role in ("decode", "prefill"))
         self.dead_stores: set[int] = set()
+        self._store_pings: dict[int, tuple[ray.ObjectRef, float]] = {}  # store -> its ping out, sent when (monotonic)
         self.stores_replaced = 0
         self._rank_store: dict[RankKey, int | None] = {}
         self._agents: dict[RankKey, tuple[str, bytes]] = {}  # each DP rank's NIXL agent: (name, metadata)
@@ -263,21 +264,32 @@ class Deployment:
         return (self._store_agents[k][1], inbox) if inbox is not None else None
 
     def replace_dead_stores(self) -> list[int]:
-        """Replace every KV store that died by a fresh, empty one (same place, same index), and attach
-        to it the ranks that wrote to it; every rank forgets the dead store's agent and learns the new
-        one. Its cached prefixes are lost, never requests. The indices replaced."""
+        """Replace every KV store that died, or that answered no ping for `TIMEOUTS.store_stall_s` (stalled),
+        by a fresh, empty one (same place, same index), and attach to it the ranks that wrote to it; every
+        rank forgets the old store's agent and learns the new one. Its cached prefixes are lost, never
+        requests. The indices replaced."""
         with self._wiring:
-            for k, store in enumerate(self.stores):
-                if k not in self.dead_stores:
+            now = time.monotonic()
+            for k, store in enumerate(self.stores):  # a ping not answered yet stays out: its age tells a stall
+                if k not in self.dead_stores and k not in self._store_pings:
+                    self._store_pings[k] = (store.ping.remote(), now)
+            refs = [ref for ref, _ in self._store_pings.values()]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TIMEOUTS.store_ping_s)
+            for k, (ref, sent) in list(self._store_pings.items()):
+                if ref in ready:
+                    del self._store_pings[k]
                     try:
-                        ray.get(store.ping.remote(), timeout=TIMEOUTS.store_ping_s)
+                        ray.get(ref)
                     except ray.exceptions.RayActorError:
                         self.dead_stores.add(k)
-                    except ray.exceptions.GetTimeoutError:
-                        pass  # busy, not dead: a store is only a cache, let it be
+                elif now - sent > TIMEOUTS.store_stall_s:
+                    log.warning("KV store %d has answered no ping for %.0f s (its process stopped or its host "
+                                "stalled): replacing it; its cached prefixes are lost", k, now - sent)
+                    self.dead_stores.add(k)
             replaced = sorted(self.dead_stores)
             alive = alive_trays() if replaced and self.plan is not None else None
             for k in replaced:
+                self._store_pings.pop(k, None)
                 ray.kill(self.stores[k])
                 if alive is not None:  # its tray's node may be gone with it: then near it, or anywhere
                     self._store_options[k] = kv_store_options(self.plan.kv_stores[k], num_cpus=0, alive=alive)
@@ -295,12 +307,16 @@ class Deployment:
             return replaced
 
     def _call_store(self, k: int, method: str, *args):
-        """A KV store call; None (and the store counted dead) if the store is gone."""
+        """A KV store call; None if the store is gone (then counted dead) or gave no answer within
+        `TIMEOUTS.store_call_s` (stalled: its pings tell whether it is replaced)."""
         try:
-            return ray.get(getattr(self.stores[k], method).remote(*args))
+            return ray.get(getattr(self.stores[k], method).remote(*args), timeout=TIMEOUTS.store_call_s)
         except ray.exceptions.RayActorError:
             self.dead_stores.add(k)
-            return None
+        except ray.exceptions.GetTimeoutError:
+            log.warning("KV store %d did not answer %s within %.0f s: going on without it", k, method,
+                        TIMEOUTS.store_call_s)
+        return None
 
     # ---- what clients need (`DeploymentOwner`) --------------------------------------------------------
     def view(self) -> DeploymentView:
@@ -426,7 +442,7 @@ class Deployment:
                 continue
             generation, members = inst.members_of()
             refs = [m.ping.remote() for m in members]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TIMEOUTS.store_ping_s)
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TIMEOUTS.member_ping_s)
             for i, ref in enumerate(refs):
                 try:
                     error = ray.get(ref).error if ref in ready else None

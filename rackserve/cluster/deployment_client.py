@@ -30,6 +30,7 @@ failure ends with an `InstanceError` saying so. What the client holds per reques
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import threading
 import time
@@ -49,6 +50,8 @@ from rackserve.messages import BlockFeed, DeploymentView, RankKey, RankLoad
 from rackserve.models.tokenizer import Tokenizer, prompt_ids
 from rackserve.timeouts import TIMEOUTS
 from rackserve.transfer.transport import StoreHit
+
+log = logging.getLogger(__name__)
 
 
 class DeploymentOwner(GangOwner, Protocol):
@@ -113,7 +116,7 @@ class DeploymentClient:
         self.prefill = {i.name: InstanceClient(i.name, i.dep, owner, i.shape, consumer=f"{self.name}-{i.name}")
                         for i in view.prefill}
         self.stores, self.rank_store = view.stores, view.rank_store
-        self.dead_stores: dict[int, float] = {}  # store index -> when found dead (time.monotonic())
+        self.dead_stores: dict[int, float] = {}  # store found dead or stalled -> when to look again (monotonic)
         self.block_size = view.block_size
         self.router = RequestRouter([(n, r) for n, c in self.decode.items() for r in range(c.dep)],
                                     [(n, r) for n, c in self.prefill.items() for r in range(c.dep)],
@@ -152,9 +155,11 @@ class DeploymentClient:
     # ---- KV stores -----------------------------------------------------------------------------------
     def _lookup(self, decode_at: RankKey, ids: list[int]) -> StoreHit | None:
         """The longest cached prefix of `ids` in the KV store `decode_at` writes to, if any. A store
-        found dead is skipped for `TIMEOUTS.store_retry_s`, then its owner's replacement is taken."""
+        found dead is skipped for `TIMEOUTS.store_retry_s`, one that does not answer within
+        `TIMEOUTS.store_call_s` (stalled) for `TIMEOUTS.store_stall_s`, as long as its owner takes to
+        replace it; then the owner's store of that index is taken."""
         k = self.rank_store.get(decode_at)
-        if k is not None and k in self.dead_stores and time.monotonic() - self.dead_stores[k] > TIMEOUTS.store_retry_s:
+        if k is not None and k in self.dead_stores and time.monotonic() > self.dead_stores[k]:
             view = self.owner.view()
             self.stores, self.rank_store = view.stores, view.rank_store
             with self._lock:
@@ -164,10 +169,14 @@ class DeploymentClient:
         if k is None or k in self.dead_stores:
             return None
         try:
-            return ray.get(self.stores[k].lookup.remote(ids))
+            return ray.get(self.stores[k].lookup.remote(ids), timeout=TIMEOUTS.store_call_s)
         except ray.exceptions.RayActorError:
-            self.dead_stores[k] = time.monotonic()
-            return None
+            self.dead_stores[k] = time.monotonic() + TIMEOUTS.store_retry_s
+        except ray.exceptions.GetTimeoutError:
+            log.warning("KV store %d did not answer a lookup within %.0f s: routing without it for %.0f s", k,
+                        TIMEOUTS.store_call_s, TIMEOUTS.store_stall_s)
+            self.dead_stores[k] = time.monotonic() + TIMEOUTS.store_stall_s
+        return None
 
     # ---- requests --------------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, session: str | None = None) -> str:
