@@ -166,6 +166,30 @@ def test_a_drain_refuses_new_requests_and_lets_the_streams_finish(started):
 
 
 @pytest.mark.slow
+def test_a_drain_while_a_gang_restarts_waits_for_the_streams_it_replays(started):
+    """The decode rank dies under the streams as the drain begins: its gang restarts while the app drains,
+    the streams are replayed on it and finish whole, and the drain, which counted them all along, stops
+    the app only then."""
+    url, config = started(drain_timeout_s=120.0)
+    plane = ray.get_actor(data_plane_name(config, APP), namespace=NAMESPACE)
+    [decode] = next(pids for name, pids in ray.get(plane.pids.remote()).items() if name.startswith("decode"))
+    streams = start_streams(url, 3, LONG)
+    lines = []
+    stopping, summary = in_background(stop, APP, config, say=lines.append)
+    os.kill(decode, signal.SIGKILL)
+    for thread, _ in streams:
+        thread.join(timeout=300)
+    for _, result in streams:
+        assert result["status"] == 200 and result["error"] is None and not result["errors"], result
+        assert result["tokens"] == LONG and result["done"], result
+    stopping.join(timeout=180)
+    result = summary["value"]
+    assert (result.requests, result.ended, result.hurried) == (3, 0, False), (result, lines)
+    assert lines[-1] == "stopped"
+    assert_stopped(config)
+
+
+@pytest.mark.slow
 def test_a_drain_timeout_ends_what_still_runs_with_an_error(started):
     url, config = started(drain_timeout_s=1.0)
     [(thread, result)] = start_streams(url, 1, 3000)

@@ -37,7 +37,8 @@ def endpoint(ray_cluster, tiny_checkpoint):
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     settings = {"model": str(tiny_checkpoint), "served_model_name": "tiny", "prefill": "1xDEP1", "decode": "1xDEP2",
                 "kv_stores": 2, "store_memory_mb": 16, "engine": ENGINE, "num_ingress_replicas": 2, "ingress": "direct",
-                "routing": {"policy": "session"}, "port": ray_cluster.direct_port}
+                "routing": {"policy": "session"}, "port": ray_cluster.direct_port,
+                "drain_timeout_s": 300.0}  # the streams of a replaced replica finish, however loaded the machine
     serve.run(build(settings), name=APP, route_prefix="/scale")
     plane = ray.get_actor(data_plane_name(ServeConfig.from_dict(settings), APP), namespace=NAMESPACE)
     yield f"http://127.0.0.1:{port}/scale", settings, plane
@@ -205,3 +206,28 @@ def test_an_ingress_upgrade_keeps_the_engines(endpoint, ray_cluster):
     replicas(ray_cluster, other_than=before)  # two new replicas answer
     assert ray.get(plane.pids.remote()) == pids  # the same rank processes
     assert completion(proxy, prompt="z", max_tokens=2).json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.slow
+def test_an_ingress_upgrade_lets_the_streams_in_flight_finish(endpoint, ray_cluster):
+    """Streams running on the replicas a redeploy replaces, through the proxy and on the replicas' own
+    ports, run to their end while the new replicas start and the old ones stop; then the new ones serve,
+    over the same engines."""
+    proxy, settings, plane = endpoint
+    pids = ray.get(plane.pids.remote())
+    old = replicas(ray_cluster)
+    runs = []
+    for url in (proxy, proxy, *old.values()):
+        started, result = threading.Event(), {}
+        thread = threading.Thread(target=stream_tokens, args=(url, f"upgrade under {url}", 400, started, result))
+        thread.start()
+        runs.append((started, result, thread))
+    for started, *_ in runs:
+        assert started.wait(60)
+    serve.run(build({**settings, "max_inflight": 90}), name=APP, route_prefix="/scale")
+    for *_, thread in runs:
+        thread.join(timeout=300)
+    for _, result, _ in runs:
+        assert result["error"] is None and '"completion_tokens":400' in result["usage"].replace(" ", ""), result
+    replicas(ray_cluster, other_than=frozenset(old))
+    assert ray.get(plane.pids.remote()) == pids

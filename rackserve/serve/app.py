@@ -35,8 +35,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
 from rackserve.cluster.deployment_client import DeploymentClient
-from rackserve.cluster.request_router import RoutingConfig
 from rackserve.cluster.faults import InstanceError
+from rackserve.cluster.request_router import RoutingConfig
 from rackserve.engine import RequestOutput
 from rackserve.engine.grammar import GrammarError, Grammars, GrammarSpec
 from rackserve.models import BUILT_IN, family_of, read_config_json, resolve
@@ -507,6 +507,9 @@ def delete(app: str) -> None:
 def build(settings: dict | None = None) -> serve.Application:
     """The Ray Serve application of a `ServeConfig` (its fields as a dict; defaults when empty)."""
     config = ServeConfig.from_dict(settings or {})
+    # a replica that a redeploy replaces (or Serve stops) lets its requests finish for as long as a drain
+    # does; Serve's own default, 20 s, cut the streams of a rolling upgrade
     return OpenAIServer.options(num_replicas=config.num_ingress_replicas,
                                 ray_actor_options={"num_cpus": 0, "resources": dict(config.ingress_resources or {})},
-                                max_ongoing_requests=config.max_inflight + EXTRA_ONGOING).bind(config.to_dict())
+                                max_ongoing_requests=config.max_inflight + EXTRA_ONGOING,
+                                graceful_shutdown_timeout_s=config.drain_timeout_s).bind(config.to_dict())

@@ -48,7 +48,8 @@ class ServeConfig:
     trays (e.g. {"ingress": 1} where the CPU nodes are started with `--resources '{"ingress": 4}'`): a
     replica's HTTP connections die with its node, while the engines' requests are replayed;
     drain_timeout_s (s): how long `rackserve serve`, told to stop (SIGTERM, Ctrl-C), lets the requests in
-    progress finish while new ones get 503 + Retry-After; what still runs then is ended with an error;
+    progress finish while new ones get 503 + Retry-After; what still runs then is ended with an error; and
+    how long an ingress replica a redeploy replaces lets its requests finish (what still runs then is cut);
     timeout (s): a gang member silent this long fails its instance;
     store_memory_mb: each KV store's host memory for cached prefixes; store_disk_mb: its local-disk
     tier below that (blocks evicted from memory, read back on a hit; 0: none), in store_disk_path on
