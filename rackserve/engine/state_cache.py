@@ -350,10 +350,11 @@ class StateCache:
         """Add `handle`'s newly completed full blocks to the index (their pages held by it too); the
         number of full blocks it has."""
         b = self.block_size
-        full = handle.num_tokens // b
-        for i in range(len(handle.block_hashes), full):
+        full, done = handle.num_tokens // b, len(handle.block_hashes)
+        new = token_ids[done * b:full * b]  # one slice (a simulated request computes its tokens on each)
+        for i in range(done, full):
             parent = handle.block_hashes[-1] if handle.block_hashes else b""
-            h = chain_hash(parent, token_ids[i * b:(i + 1) * b])
+            h = chain_hash(parent, new[(i - done) * b:(i - done + 1) * b])
             handle.block_hashes.append(h)
             if h not in self._blocks:
                 self._blocks[h] = _Block(page=handle.pages[i])
