@@ -10,6 +10,8 @@ reservation counters.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -211,10 +213,12 @@ def test_an_ingress_upgrade_keeps_the_engines(endpoint, ray_cluster):
 @pytest.mark.slow
 def test_an_ingress_upgrade_lets_the_streams_in_flight_finish(endpoint, ray_cluster):
     """Streams running on the replicas a redeploy replaces, through the proxy and on the replicas' own
-    ports, run to their end while the new replicas start and the old ones stop; then the new ones serve,
-    over the same engines."""
+    ports, run to their end while the new replicas start and the old ones stop, though the decode gang
+    fails as the redeploy begins (the old replicas replay the streams on its restart); then the new
+    replicas serve, over the same data plane and the other engines."""
     proxy, settings, plane = endpoint
     pids = ray.get(plane.pids.remote())
+    decode = next(name for name in pids if name.startswith("decode"))
     old = replicas(ray_cluster)
     runs = []
     for url in (proxy, proxy, *old.values()):
@@ -224,10 +228,12 @@ def test_an_ingress_upgrade_lets_the_streams_in_flight_finish(endpoint, ray_clus
         runs.append((started, result, thread))
     for started, *_ in runs:
         assert started.wait(60)
+    os.kill(pids[decode][1], signal.SIGKILL)
     serve.run(build({**settings, "max_inflight": 90}), name=APP, route_prefix="/scale")
     for *_, thread in runs:
         thread.join(timeout=300)
     for _, result, _ in runs:
         assert result["error"] is None and '"completion_tokens":400' in result["usage"].replace(" ", ""), result
     replicas(ray_cluster, other_than=frozenset(old))
-    assert ray.get(plane.pids.remote()) == pids
+    now = ray.get(plane.pids.remote())
+    assert now[decode] != pids[decode] and {**now, decode: None} == {**pids, decode: None}
