@@ -47,8 +47,9 @@ def test_a_failed_decode_gang_replays_every_stream_to_its_undisturbed_text(dep_a
 
 @pytest.mark.slow
 def test_a_second_fault_while_the_gang_restarts_is_recovered_from_too(dep_app):
-    """The decode rank's replacement is killed as soon as its process runs: that start fails, the owner's
-    watcher starts the gang again, and every stream still ends with its undisturbed text."""
+    """The decode rank's replacement is killed as soon as its process runs: that start fails, the gang is
+    started once more (by the owner's watcher or a replay's next try), and every stream still ends with its
+    undisturbed text."""
     restarts = ray.get(dep_app.plane.stats.remote())["decode"][0]["restarts"]
     row = faults.run_fault(dep_app, "SIGKILL decode DP rank, again as it restarts", STREAMS, OSL, PROBES)
     assert_recovered(row, replayed=True)

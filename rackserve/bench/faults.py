@@ -19,8 +19,8 @@ Per fault, in turn:
 3. once every stream has its first text, the fault: SIGKILL of a decode DP rank (with EPLB moving
    experts every other step, so within a step of a move), SIGSTOP of a decode DP rank (found by the
    gang's timeout; the restart kills it), SIGKILL of a decode DP rank and then of its replacement as soon
-   as its process runs (a second fault during recovery: that start fails, the owner's watcher starts the
-   gang again), SIGKILL of the prefill DP rank (struck instead while it
+   as its process runs (a second fault during recovery: that start fails, and the gang is started once
+   more, by the owner's watcher or a replay's next try), SIGKILL of the prefill DP rank (struck instead while it
    prefills the streams' prompts, of PREFILL_PROMPT_LEN tokens, new to every cache: their undisturbed
    text is then taken after the row), of the KV store, SIGSTOP of the KV store (lookups of it given up after
    `TIMEOUTS.store_call_s`, replaced once it has answered no ping for `TIMEOUTS.store_stall_s`), SIGKILL of
@@ -309,8 +309,8 @@ def kill_decode_rank(app: App, outs: list[Outcome]) -> None:
 
 def kill_decode_rank_twice(app: App, outs: list[Outcome]) -> None:
     """SIGKILL a decode DP rank, then the process that replaces it as soon as it runs, while its gang
-    starts again (a second fault during recovery): that start fails, and the owner's watcher starts
-    the gang once more."""
+    starts again (a second fault during recovery): that start fails, and the gang is started once more
+    (by the owner's watcher or a replay's next try)."""
     first = _pid(app, "decode", 1)
     os.kill(first, signal.SIGKILL)
     deadline = time.monotonic() + 60
