@@ -20,8 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import LLM, SamplingParams
+from rackserve.engine.graphs import _leaves
 from rackserve.engine.state_cache import StateCache
 from rackserve.models import read_config
+from rackserve.models.interface import StaticShape
 from rackserve.models.qwen3_moe import CheckpointError, ModelConfig, load_model
 from rackserve.models.qwen3_moe.tiny import make_tiny
 from rackserve.models.tokenizer import Tokenizer
@@ -215,7 +217,7 @@ def test_unsupported_config_values_fail_naming_the_field_and_fix(override, match
         ModelConfig.from_dict({**QWEN3_30B_A3B, **override})
 
 
-def test_speculation_quantized_state_and_compile_fail_naming_the_fix(checkpoint):
+def test_speculation_and_quantized_state_fail_naming_the_fix(checkpoint):
     config = read_config(checkpoint)
     with pytest.raises(ConfigError, match="no draft model .* set speculative_tokens=0"):
         EngineConfig(speculative_tokens=1).resolve(config)
@@ -223,8 +225,50 @@ def test_speculation_quantized_state_and_compile_fail_naming_the_fix(checkpoint)
         LLM(checkpoint, speculative_tokens=2)
     with pytest.raises(ConfigError, match="state_dtype='fp8'.* set state_dtype='auto'"):
         LLM(checkpoint, state_dtype="fp8")
-    with pytest.raises(ConfigError, match="qwen3_moe model has no fixed-shape forward yet; use compile='off'"):
-        LLM(checkpoint, compile="trace")
+
+
+def test_the_padded_decode_forward_is_one_graph_whose_shapes_are_the_shapes_alone(checkpoint):
+    llm = LLM(checkpoint, max_num_seqs=4, block_size=16, prefix_caching=False, compile="trace")
+    engine = llm.engine
+    for n in (5, 33, 70):
+        engine.add_request(prompt(n, seed=n), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.step()
+    requests = [(r.handle, [r.token_ids[-1]]) for r in engine.scheduler.running]
+    for handle, _ in requests:
+        engine.cache.reserve(handle, 1)
+    shape = engine.runner.graphs.shape_for(requests)
+    assert shape == StaticShape(4, 8)  # 70 tokens + 1 in pages of 16 -> 5 pages -> bucket 8
+    batch = engine.model.build_batch(engine.cache.state, requests, static=shape, scratch=engine.runner.dummy)
+    with torch.no_grad():
+        explained = torch._dynamo.explain(engine.model.static_forward)(batch, engine.cache.state)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    other = engine.model.build_batch(engine.cache.state, requests[:1], static=shape, scratch=engine.runner.dummy)
+    assert [t.shape for t in _leaves(batch)] == [t.shape for t in _leaves(other)]
+    assert batch.real.tolist() == [True] * 3 + [False] and other.real.tolist() == [True] + [False] * 3
+
+
+@pytest.mark.parametrize("mode", ["trace", pytest.param("on", marks=pytest.mark.slow)])
+def test_decode_on_fixed_shapes_equals_eager(checkpoint, mode):
+    """Ragged prompts across page boundaries, one of them sampled, requests finishing at different
+    steps: the eager engine's tokens (near-ties judged), logprobs within 1e-5 where the tokens agree.
+    "on" is the real compiler (inductor's C++), on pages of 128 tokens: two shapes to compile, not three."""
+    prompts = [prompt(n, seed=400 + n) for n in (3, 17, 40, 64, 129, 200)]
+    params = [SamplingParams(max_tokens=m, temperature=t, seed=5, ignore_eos=True, logprobs=2)
+              for m, t in [(24, 0.0), (9, 0.0), (30, 0.0), (16, 0.8), (21, 0.0), (12, 0.0)]]
+    kwargs = {"max_num_seqs": 8, "block_size": 16 if mode == "trace" else 128, "graph_buckets": (8,),
+              "max_model_len": 256}
+    want = LLM(checkpoint, **kwargs).generate(prompts, params)
+    llm = LLM(checkpoint, compile=mode, **kwargs)
+    got = llm.generate(prompts, params)
+    graphs = llm.engine.runner.graphs
+    assert graphs.failures == 0 and graphs.replays >= 29  # every decode step
+    assert {s.tokens for _, s in graphs.shapes} == {8}
+    assert_same_tokens(checkpoint, prompts, [g.token_ids for g in got], [w.token_ids for w in want], params)
+    for g, w in zip(got, want):
+        for a, b in zip(g.logprobs, w.logprobs):
+            if a.token_id != b.token_id:
+                break
+            assert abs(a.logprob - b.logprob) <= 1e-5
 
 
 def _rewrite(checkpoint, dest, edit) -> None:

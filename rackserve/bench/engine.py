@@ -2,7 +2,7 @@
 scheduling (host work beside the forward), against transformers' `generate`, on the tiny checkpoint.
 
     python -m rackserve.bench.engine [--requests 64] [--isl 256] [--osl 128] [--batch 32]
-                                     [--step-batches 1,8,32,128] [--compile on]
+                                     [--step-batches 1,8,32,128] [--compile on] [--family deepseek_v4]
 
 Throughput: every side generates `--osl` greedy tokens (EOS ignored) for `--requests` prompts of
 `--isl` tokens. Ours runs them through continuous batching with `max_num_seqs = --batch`, eager and
@@ -18,13 +18,18 @@ median step time, and the host's time on the critical path: without overlap all 
 the model forward (scheduling, batch preparation, sampling, output handling); with it, the time the
 forward thread waited for the host between two steps. transformers' step: the time of `generate`
 per new token beyond the first.
+--family picks the tiny checkpoint and its transformers reference: deepseek_v4 (the built-in tiny one,
+`DeepseekV4ForCausalLM`) or qwen3_moe (the tiny Qwen3-MoE of `rackserve.bench.peer`, written once
+under the temporary directory, `Qwen3MoeForCausalLM`).
 The machine is shared and noisy: read ratios and medians.
 """
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -55,9 +60,9 @@ class _Timed:
 class _Engine:
     """One of our engines under test, its forwards timed (eager and fixed-shape alike)."""
 
-    def __init__(self, name: str, compile: str, batch: int, max_len: int, overlap: bool = False):
+    def __init__(self, name: str, model: Path, compile: str, batch: int, max_len: int, overlap: bool = False):
         self.name = name
-        self.llm = LLM("tiny", max_num_seqs=batch, max_num_batched_tokens=max(2048, batch + 1), max_model_len=max_len,
+        self.llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch + 1), max_model_len=max_len,
                        block_size=128, prefix_caching=False, compile=compile, graph_buckets=(1, 8, 32, 128),
                        async_scheduling=overlap)
         self.engine = self.llm.engine
@@ -116,10 +121,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-batches", type=script.int_list, default="1,8,32,128")
     parser.add_argument("--compile", choices=("on", "trace"), default="on")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each side; medians reported")
+    parser.add_argument("--family", choices=("deepseek_v4", "qwen3_moe"), default="deepseek_v4")
     args = parser.parse_args(argv)
-    from transformers import DeepseekV4ForCausalLM
+    import transformers
 
-    ref = DeepseekV4ForCausalLM.from_pretrained(ensure_tiny(), dtype=torch.float32).eval()
+    if args.family == "qwen3_moe":
+        from rackserve.bench.peer import checkpoint
+
+        model, reference_class = checkpoint(Path(tempfile.gettempdir()) / "rackserve-peer"), "Qwen3MoeForCausalLM"
+    else:
+        model, reference_class = ensure_tiny(), "DeepseekV4ForCausalLM"
+    ref = getattr(transformers, reference_class).from_pretrained(model, dtype=torch.float32).eval()
     vocab = ref.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, vocab, (args.requests, args.isl), generator=g)
@@ -127,8 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     compiled, overlap = f"compiled ({args.compile})", f"compiled ({args.compile}) + overlap"
 
     def engines(batch: int) -> list[_Engine]:
-        return [_Engine("eager", "off", batch, max_len), _Engine(compiled, args.compile, batch, max_len),
-                _Engine(overlap, args.compile, batch, max_len, overlap=True)]
+        return [_Engine("eager", model, "off", batch, max_len), _Engine(compiled, model, args.compile, batch, max_len),
+                _Engine(overlap, model, args.compile, batch, max_len, overlap=True)]
 
     params = SamplingParams(max_tokens=args.osl, temperature=0.0, ignore_eos=True)
 
@@ -165,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_tokens = args.requests * args.osl
     tps = {name: out_tokens / statistics.median(s) for name, s in times.items()}
     ref_tps = tps["transformers"]
-    print(f"{args.requests} requests, ISL {args.isl}, OSL {args.osl}, batch {args.batch}; tiny model, fp32, "
+    print(f"{args.requests} requests, ISL {args.isl}, OSL {args.osl}, batch {args.batch}; tiny {args.family}, fp32, "
           f"{torch.get_num_threads()} CPU threads; medians of {args.repeats} alternating runs")
     print(f"{'engine':<34} {'seconds':>8} {'output tok/s':>13} {'vs transformers':>16}")
     for name, s in times.items():
@@ -180,8 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{b:>5} {e * 1e3:>8.2f} {c * 1e3:>9.2f} {o * 1e3:>10.2f} {row['transformers'] * 1e3:>13.2f} "
               f"{row['transformers'] / o:>13.2f}x {row['eager host'] / e:>11.1%} "
               f"{row[f'{compiled} host'] / c:>14.1%} {row[f'{overlap} host'] / o:>13.1%}")
-    result = {"bench": "engine", "requests": args.requests, "isl": args.isl, "osl": args.osl, "batch": args.batch,
-              "compile": args.compile, "ref_tok_s": round(ref_tps, 1),
+    result = {"bench": "engine", "family": args.family, "requests": args.requests, "isl": args.isl, "osl": args.osl,
+              "batch": args.batch, "compile": args.compile, "ref_tok_s": round(ref_tps, 1),
               "eager_tok_s": round(tps["eager"], 1), "compiled_tok_s": round(tps[compiled], 1),
               "overlap_tok_s": round(tps[overlap], 1),
               "eager_speedup": round(tps["eager"] / ref_tps, 2), "compiled_speedup": round(tps[compiled] / ref_tps, 2),

@@ -13,6 +13,11 @@ each) form one group and every longer one (a prefill chunk) is a group of its ow
 many decodes does not pad every decode to the chunk's length; that is the price of plain torch without
 a paged-attention kernel. The keys are gathered page by page (blocks of block_size rows), not row by
 row: the same bytes with an index a block_size-th as long.
+
+A batch built for a fixed shape (`static`, what a compiled decode forward replays) is one group of
+one-token requests whose shapes depend on the shape alone: padded with one-token requests on the
+engine's scratch request (at 0 tokens, holding a page, so the padding writes only a row of that page),
+every request's page table `static.pages` wide.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rackserve.models.interface import StaticShape
 from rackserve.models.state import PagedState, RequestState
 
 
@@ -46,15 +52,26 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [L] long, the tokens whose logits are returned
     write_rows: torch.Tensor  # [T] long, each token's cache row
     groups: list[AttentionGroup]
+    real: torch.Tensor | None = None  # [T] bool: False for the padding rows of a static batch
 
     @classmethod
     def build(cls, state: PagedState, requests: Sequence[tuple[RequestState, Sequence[int]]],
-              num_logits: Sequence[int] | None = None) -> ForwardBatch:
+              num_logits: Sequence[int] | None = None, static: StaticShape | None = None,
+              scratch: RequestState | None = None) -> ForwardBatch:
         """Batch `requests` = [(state handle, new token ids)], each continuing at `handle.num_tokens`.
 
         The handles must already hold pages for their new tokens (`StateCache.reserve`). Logits come
-        back for the last `num_logits[r]` new tokens of request r (default 1).
+        back for the last `num_logits[r]` new tokens of request r (default 1); with `static` (one new
+        token per request), for every token row, padding included, `static.tokens` of them.
         """
+        pad = 0
+        if static is not None:
+            pad = static.tokens - len(requests)
+            if (pad < 0 or any(len(ids) != 1 for _, ids in requests) or scratch is None or not scratch.pages
+                    or max((len(h.pages) for h, _ in requests), default=0) > static.pages):
+                raise ValueError(f"a static batch of {static} needs a scratch request holding a page and at most "
+                                 f"{static.tokens} requests of one new token, of {static.pages} pages each")
+            requests = [*requests, *[(scratch, [0])] * pad]
         lens = torch.tensor([len(ids) for _, ids in requests], dtype=torch.long)
         if not len(lens) or (lens <= 0).any():
             raise ValueError("a batch needs at least one request, and every request at least one new token")
@@ -71,13 +88,18 @@ class ForwardBatch:
         positions = starts[req] + within
         b = state.block_size
         pages = [h.pages for h, _ in requests]
-        table = torch.tensor([p + [0] * (max(map(len, pages)) - len(p)) for p in pages], dtype=torch.long)
+        width = max(map(len, pages)) if static is None else static.pages
+        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.long)
         write_rows = table[req, positions // b] * b + positions % b
 
         single = [r for r, n in enumerate(lens.tolist()) if n == 1]
         members = ([single] if single else []) + [[r] for r, n in enumerate(lens.tolist()) if n > 1]
-        groups = [cls._group(m, lens, starts, offsets, pages, b, whole=len(members) == 1) for m in members]
+        groups = [cls._group(m, lens, starts, offsets, pages, b, whole=len(members) == 1,
+                             width=None if static is None else static.pages) for m in members]
 
+        if static is not None:  # a row per request
+            logits_rows, real = torch.arange(static.tokens), torch.arange(static.tokens) < static.tokens - pad
+            return cls(input_ids, positions, logits_rows, write_rows, groups, real).to(state.device)
         counts = torch.ones_like(lens) if num_logits is None else torch.tensor(num_logits, dtype=torch.long)
         owner = torch.repeat_interleave(torch.arange(len(lens)), counts)
         first = torch.cumsum(counts, 0) - counts  # first logits row of each request
@@ -86,10 +108,12 @@ class ForwardBatch:
 
     @staticmethod
     def _group(members: list[int], lens: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor,
-               pages: list[list[int]], block_size: int, whole: bool) -> AttentionGroup:
-        """The group of requests `members` (indices into the batch); `whole`: it holds every request."""
+               pages: list[list[int]], block_size: int, whole: bool, width: int | None = None) -> AttentionGroup:
+        """The group of requests `members` (indices into the batch); `whole`: it holds every request;
+        `width`: its page tables' (default: its longest)."""
         idx = torch.tensor(members, dtype=torch.long)
-        g_lens, width = lens[idx], max(len(pages[r]) for r in members)
+        g_lens = lens[idx]
+        width = max(len(pages[r]) for r in members) if width is None else width
         table = torch.tensor([pages[r] + [0] * (width - len(pages[r])) for r in members], dtype=torch.long)
         q = int(g_lens.max())
         cols = torch.arange(width * block_size)
@@ -104,4 +128,5 @@ class ForwardBatch:
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         return type(self)(*(t.to(device) for t in (self.input_ids, self.positions, self.logits_rows,
-                                                   self.write_rows)), [g.to(device) for g in self.groups])
+                                                   self.write_rows)), [g.to(device) for g in self.groups],
+                          None if self.real is None else self.real.to(device))

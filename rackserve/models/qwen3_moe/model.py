@@ -38,7 +38,7 @@ class DecoderLayer(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x `[T, D]` -> `[T, D]`."""
         x = x + self.self_attn(self.input_layernorm(x), batch, state, rope)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.input_ids, batch.positions)
+        return x + self.mlp(self.post_attention_layernorm(x), batch.input_ids, batch.positions, batch.real)
 
 
 class Qwen3MoeModel(nn.Module):
@@ -88,8 +88,8 @@ class Qwen3MoeForCausalLM(CausalLM):
             layer.shard(ep, row)
 
     # ---- what the engine calls (`ServingModel`) ------------------------------------------------------
-    def build_batch(self, state: KVCache, requests, num_logits=None) -> ForwardBatch:
-        return ForwardBatch.build(state, requests, num_logits=num_logits)
+    def build_batch(self, state: KVCache, requests, num_logits=None, static=None, scratch=None) -> ForwardBatch:
+        return ForwardBatch.build(state, requests, num_logits=num_logits, static=static, scratch=scratch)
 
     def rollback(self, state: KVCache, batch: ForwardBatch, speculative: torch.Tensor):
         raise ValueError(f"rollback: {_NO_DRAFT}")
@@ -103,10 +103,16 @@ class Qwen3MoeForCausalLM(CausalLM):
         """Run `batch` -> logits `[len(batch.logits_rows), vocab]` (fp32), and with `with_streams` the last
         layer's residual stream `[T, D]` too. Writes the new tokens' K/V into `state`; the caller advances
         each request's `num_tokens` once the step is accepted."""
+        logits, x = self.static_forward(batch, state)
+        return (logits, x) if with_streams else logits
+
+    def static_forward(self, batch: ForwardBatch, state: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with streams, outside inference mode: what `torch.compile` traces and a CUDA graph
+        captures (for a batch built with `static`, nothing in it syncs with the host or depends on the
+        data's shape). Run it with grad off."""
         m = self.model
         x = m.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, x.dtype)  # shared by every layer
         for layer in m.layers:
             x = layer(x, batch, state, rope)
-        logits = self.lm_head(m.norm(x.index_select(0, batch.logits_rows))).float()
-        return (logits, x) if with_streams else logits
+        return self.lm_head(m.norm(x.index_select(0, batch.logits_rows))).float(), x

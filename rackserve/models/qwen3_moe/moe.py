@@ -54,6 +54,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Called as a sparse block is (`RoutedMoE.forward`); the ids and positions it reads go unused."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                real: torch.Tensor | None = None) -> torch.Tensor:
+        """Called as a sparse block is (`RoutedMoE.forward`); the ids, positions and padding rows it reads
+        go unused."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
