@@ -6,6 +6,7 @@ runs the traced graph without code generation (seconds); one test compiles with 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -56,24 +57,36 @@ def eager(checkpoint):
     return generate(checkpoint)[1]
 
 
-def test_the_padded_decode_forward_is_one_graph_without_breaks(checkpoint):
-    llm = LLM(checkpoint, max_num_seqs=4, prefix_caching=False, compile="trace")
+def fixed_shape_batches(llm, lengths: Sequence[int]) -> tuple[StaticShape, object, object]:
+    """One step of `llm`'s engine (compile on) over prompts of `lengths`, then the next decode pass of its
+    running requests built for its fixed shape, and that of the first request alone on the same shape:
+    (the shape, the batch, the one-request batch)."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    for n in (5, 33, 70):
-        engine.add_request(prompt(n, seed=n), params)
+    for n in lengths:
+        engine.add_request(prompt(n, seed=n), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     engine.step()
     requests = [(r.handle, [r.token_ids[-1]]) for r in engine.scheduler.running]
     for handle, _ in requests:
         engine.cache.reserve(handle, 1)
     shape = engine.runner.graphs.shape_for(requests)
-    assert shape == StaticShape(4, 8)  # 70 tokens + 1 in pages of 16 -> 5 pages -> bucket 8
-    batch = engine.model.build_batch(engine.cache.state, requests, static=shape, scratch=engine.runner.dummy)
+    batches = [engine.model.build_batch(engine.cache.state, r, static=shape, scratch=engine.runner.dummy)
+               for r in (requests, requests[:1])]
+    return shape, *batches
+
+
+def assert_one_graph(llm, batch) -> None:
+    """The model's fixed-shape forward of `batch` traces as one graph without breaks."""
     with torch.no_grad():
-        explained = torch._dynamo.explain(engine.model.static_forward)(batch, engine.cache.state)
+        explained = torch._dynamo.explain(llm.engine.model.static_forward)(batch, llm.engine.cache.state)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_the_padded_decode_forward_is_one_graph_without_breaks(checkpoint):
+    llm = LLM(checkpoint, max_num_seqs=4, prefix_caching=False, compile="trace")
+    shape, batch, other = fixed_shape_batches(llm, (5, 33, 70))
+    assert shape == StaticShape(4, 8)  # 70 tokens + 1 in pages of 16 -> 5 pages -> bucket 8
+    assert_one_graph(llm, batch)
     # the batch's shapes depend on the shape alone, not on the requests
-    other = engine.model.build_batch(engine.cache.state, requests[:1], static=shape, scratch=engine.runner.dummy)
     assert [t.shape for t in _leaves(batch)] == [t.shape for t in _leaves(other)]
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import assert_same_tokens, prompt, settled_stats
 from safetensors.torch import load_file, save_file
+from test_graphs import assert_one_graph, assert_same_outputs, fixed_shape_batches
 
 from rackserve.config import ConfigError, EngineConfig
 from rackserve.engine import LLM, SamplingParams
@@ -229,20 +230,9 @@ def test_speculation_and_quantized_state_fail_naming_the_fix(checkpoint):
 
 def test_the_padded_decode_forward_is_one_graph_whose_shapes_are_the_shapes_alone(checkpoint):
     llm = LLM(checkpoint, max_num_seqs=4, block_size=16, prefix_caching=False, compile="trace")
-    engine = llm.engine
-    for n in (5, 33, 70):
-        engine.add_request(prompt(n, seed=n), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    engine.step()
-    requests = [(r.handle, [r.token_ids[-1]]) for r in engine.scheduler.running]
-    for handle, _ in requests:
-        engine.cache.reserve(handle, 1)
-    shape = engine.runner.graphs.shape_for(requests)
+    shape, batch, other = fixed_shape_batches(llm, (5, 33, 70))
     assert shape == StaticShape(4, 8)  # 70 tokens + 1 in pages of 16 -> 5 pages -> bucket 8
-    batch = engine.model.build_batch(engine.cache.state, requests, static=shape, scratch=engine.runner.dummy)
-    with torch.no_grad():
-        explained = torch._dynamo.explain(engine.model.static_forward)(batch, engine.cache.state)
-    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
-    other = engine.model.build_batch(engine.cache.state, requests[:1], static=shape, scratch=engine.runner.dummy)
+    assert_one_graph(llm, batch)
     assert [t.shape for t in _leaves(batch)] == [t.shape for t in _leaves(other)]
     assert batch.real.tolist() == [True] * 3 + [False] and other.real.tolist() == [True] + [False] * 3
 
@@ -263,12 +253,7 @@ def test_decode_on_fixed_shapes_equals_eager(checkpoint, mode):
     graphs = llm.engine.runner.graphs
     assert graphs.failures == 0 and graphs.replays >= 29  # every decode step
     assert {s.tokens for _, s in graphs.shapes} == {8}
-    assert_same_tokens(checkpoint, prompts, [g.token_ids for g in got], [w.token_ids for w in want], params)
-    for g, w in zip(got, want):
-        for a, b in zip(g.logprobs, w.logprobs):
-            if a.token_id != b.token_id:
-                break
-            assert abs(a.logprob - b.logprob) <= 1e-5
+    assert_same_outputs(checkpoint, got, want, prompts=prompts, params=params)
 
 
 def _rewrite(checkpoint, dest, edit) -> None:

@@ -123,15 +123,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each side; medians reported")
     parser.add_argument("--family", choices=("deepseek_v4", "qwen3_moe"), default="deepseek_v4")
     args = parser.parse_args(argv)
-    import transformers
-
     if args.family == "qwen3_moe":
+        from transformers import Qwen3MoeForCausalLM as Reference
+
         from rackserve.bench.peer import checkpoint
 
-        model, reference_class = checkpoint(Path(tempfile.gettempdir()) / "rackserve-peer"), "Qwen3MoeForCausalLM"
+        model = checkpoint(Path(tempfile.gettempdir()) / "rackserve-peer")
     else:
-        model, reference_class = ensure_tiny(), "DeepseekV4ForCausalLM"
-    ref = getattr(transformers, reference_class).from_pretrained(model, dtype=torch.float32).eval()
+        from transformers import DeepseekV4ForCausalLM as Reference
+
+        model = ensure_tiny()
+    ref = Reference.from_pretrained(model, dtype=torch.float32).eval()
     vocab = ref.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, vocab, (args.requests, args.isl), generator=g)
